@@ -1,0 +1,46 @@
+"""orbit_pt: a checkpoint manager for PyTorch training.
+
+    from orbit_pt import CheckpointManager, CheckpointManagerOptions
+
+Nothing happens at import time; see README.md and docs/ for the guide.
+"""
+
+from orbit_pt._version import __version__
+from orbit_pt.errors import (
+    CheckpointError,
+    CheckpointLockedError,
+    CheckpointSaveError,
+    CheckpointTypeError,
+    CheckpointValueError,
+    CorruptCheckpointError,
+    ItemNotFoundError,
+    ReadOnlyError,
+    StateMismatchError,
+    StepAlreadyExistsError,
+    StepNotFoundError,
+)
+from orbit_pt.manager import CheckpointManager
+from orbit_pt.metadata import FileMetadata, ItemMetadata, StepMetadata
+from orbit_pt.options import CheckpointManagerOptions
+from orbit_pt.policies import CheckpointInfo
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointLockedError",
+    "CheckpointManager",
+    "CheckpointManagerOptions",
+    "CheckpointSaveError",
+    "CheckpointTypeError",
+    "CheckpointValueError",
+    "CorruptCheckpointError",
+    "FileMetadata",
+    "ItemMetadata",
+    "ItemNotFoundError",
+    "ReadOnlyError",
+    "StateMismatchError",
+    "StepAlreadyExistsError",
+    "StepMetadata",
+    "StepNotFoundError",
+    "__version__",
+]

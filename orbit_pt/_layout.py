@@ -1,0 +1,43 @@
+"""Names on disk: the one place that builds and parses step folder names.
+
+A committed step lives in ``step_<step, zero-padded to 8 digits>/``; larger steps simply have more
+digits. Anything else in the root -- other files, ``*.orbit-tmp`` folders, ``superseded/`` --
+is never a step.
+"""
+
+from __future__ import annotations
+
+import re
+
+STEP_PREFIX = "step_"
+TMP_SUFFIX = ".orbit-tmp"
+# A committed step being deleted is first renamed to this suffix, so that a crash in the middle
+# of removing its files never leaves a half-deleted folder under a step name.
+DELETING_SUFFIX = ".orbit-deleting"
+METADATA_FILE = "_CHECKPOINT_METADATA"
+SUPERSEDED_DIR = "superseded"
+LOCK_FILE = ".orbit.lock"
+
+_STEP_NAME = re.compile(r"step_(\d{8,})")
+
+
+def step_name(step: int) -> str:
+    """The folder name of a committed ``step``."""
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def parse_step_name(name: str) -> int | None:
+    """The step a folder name stands for, or None when it is not a canonical step name.
+
+    ``step_000000100`` (an extra leading zero) is rejected: one step has exactly one name.
+    """
+    match = _STEP_NAME.fullmatch(name)
+    if match is None:
+        return None
+    step = int(match.group(1))
+    return step if step_name(step) == name else None
+
+
+def tmp_name(step: int) -> str:
+    """The folder a step is written into before its commit."""
+    return step_name(step) + TMP_SUFFIX

@@ -1,0 +1,237 @@
+"""Reading and writing the safetensors format straight from and into tensor memory.
+
+The files are ordinary safetensors files (``safetensors.torch.load_file`` and transformers read
+them). We write them ourselves instead of calling ``safetensors.torch.save_file`` because that
+builds one ``bytes`` object holding every tensor (a full second copy of the state) and never
+fsyncs; and we read them ourselves so that an in-place restore copies each tensor once, from the
+file into its target, and so that every malformed header becomes a clear error naming the file.
+
+Format: 8-byte little-endian header length N, N bytes of JSON header (padded with spaces to a
+multiple of 8), then the tensor bytes, each tensor's ``data_offsets`` relative to the end of the
+header, contiguous and covering the whole data section.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from orbit_pt.errors import CheckpointTypeError, CorruptCheckpointError
+
+DTYPE_TO_NAME: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+NAME_TO_DTYPE = {name: dtype for dtype, name in DTYPE_TO_NAME.items()}
+
+# Reads and writes go through buffers of this size so that no syscall moves gigabytes at once.
+_CHUNK = 64 << 20
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies in a safetensors file (offsets are absolute file offsets)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (kept alive by the caller)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    buffer = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
+    return memoryview(buffer).cast("B")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_TO_NAME[dtype]
+    except KeyError:
+        raise CheckpointTypeError(
+            f"tensors of dtype {dtype} cannot be stored in safetensors; supported dtypes are "
+            f"{', '.join(str(d) for d in DTYPE_TO_NAME)} -- convert the tensor first"
+        ) from None
+
+
+def build_header(
+    entries: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The header bytes (length prefix included) and each tensor's data offsets.
+
+    Only names, dtypes and shapes are needed, so every rank of a distributed save can compute
+    the same file layout without holding the tensors.
+    """
+    header: dict[str, object] = {}
+    offsets: dict[str, tuple[int, int]] = {}
+    position = 0
+    for name, dtype, shape in entries:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        header[name] = {
+            "dtype": dtype_name(dtype),
+            "shape": list(shape),
+            "data_offsets": [position, position + size],
+        }
+        offsets[name] = (position, position + size)
+        position += size
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    prefix = struct.pack("<Q", len(text)) + text
+    return prefix, {name: (a + len(prefix), b + len(prefix)) for name, (a, b) in offsets.items()}
+
+
+def write_safetensors(
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> int:
+    """Write ``tensors`` to a new file at ``path``, fsync it, and return its size in bytes."""
+    cpu = {name: _contiguous_cpu(name, t) for name, t in tensors.items()}
+    header, _ = build_header(((n, t.dtype, tuple(t.shape)) for n, t in cpu.items()), metadata)
+    with open(path, "xb", buffering=0) as f:
+        f.write(header)
+        for tensor in cpu.values():
+            view = tensor_bytes(tensor)
+            for start in range(0, len(view), _CHUNK):
+                f.write(view[start : start + _CHUNK])
+        os.fsync(f.fileno())
+        return f.tell()
+
+
+def _contiguous_cpu(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise CheckpointTypeError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
+    if tensor.is_sparse or tensor.layout != torch.strided:
+        raise CheckpointTypeError(
+            f"tensor {name!r} has layout {tensor.layout}; only dense tensors can be saved -- "
+            "call .to_dense() on it first"
+        )
+    if tensor.is_quantized or tensor.is_nested:
+        raise CheckpointTypeError(
+            f"tensor {name!r} is quantized or nested and cannot be saved as it is"
+        )
+    return tensor.detach().to("cpu").contiguous()
+
+
+class SafetensorsReader:
+    """Validated access to the tensors of one safetensors file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.entries, self.metadata = _read_header(path)
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read tensor ``name`` into ``out`` (same dtype and shape, contiguous CPU) or a new one."""
+        entry = self.entries[name]
+        if out is None:
+            out = torch.empty(entry.shape, dtype=entry.dtype)
+        with open(self.path, "rb", buffering=0) as f:
+            _read_into(f, entry.start, tensor_bytes(out), self.path)
+        return out
+
+    def read_all(self) -> dict[str, torch.Tensor]:
+        """Every tensor, read in file order with one open file."""
+        out: dict[str, torch.Tensor] = {}
+        with open(self.path, "rb", buffering=0) as f:
+            for name, entry in self.entries.items():
+                tensor = torch.empty(entry.shape, dtype=entry.dtype)
+                _read_into(f, entry.start, tensor_bytes(tensor), self.path)
+                out[name] = tensor
+        return out
+
+
+def _read_into(f: object, offset: int, view: memoryview, path: Path) -> None:
+    fd = f.fileno()  # type: ignore[attr-defined]
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done : done + _CHUNK]], offset + done)
+        if n == 0:
+            raise CorruptCheckpointError(
+                f"{path} is truncated: expected {len(view)} bytes at offset {offset}, "
+                f"the file ends after {done}"
+            )
+        done += n
+
+
+def _read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    def corrupt(reason: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{path} is not a valid safetensors file ({reason}); the checkpoint step holding it "
+            "is damaged -- restore another step"
+        )
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise corrupt("shorter than its 8-byte header length")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > size - 8 or header_len > 100 << 20:
+                raise corrupt(f"header length {header_len} does not fit a file of {size} bytes")
+            raw = f.read(header_len)
+    except OSError as exc:
+        raise CorruptCheckpointError(f"cannot read {path}: {exc}") from exc
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise corrupt(f"header is not valid JSON: {exc}") from exc
+    data_start = 8 + header_len
+    metadata = header.pop("__metadata__", None) or {}
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        try:
+            dtype = NAME_TO_DTYPE[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise corrupt(f"entry {name!r} is malformed: {exc}") from exc
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if any(d < 0 for d in shape) or end - begin != numel * dtype.itemsize or begin < 0:
+            raise corrupt(f"entry {name!r} has offsets {begin}..{end} that do not fit {shape}")
+        if data_start + end > size:
+            raise corrupt(
+                f"entry {name!r} ends at byte {data_start + end} but the file has {size} bytes "
+                "(truncated)"
+            )
+        entries[name] = TensorEntry(name, dtype, shape, data_start + begin, data_start + end)
+    return entries, metadata

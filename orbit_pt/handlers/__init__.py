@@ -1,0 +1,35 @@
+"""Handlers: how each item of a checkpoint is written and read back.
+
+Pick one explicitly with ``CheckpointManager(..., handlers={"name": SomeHandler()})``; otherwise
+:func:`default_handler` chooses by the item's type.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orbit_pt.errors import CheckpointTypeError
+from orbit_pt.handlers.base import Handler, HandlerContext
+from orbit_pt.handlers.state import StateHandler, has_state_dict
+
+__all__ = ["Handler", "HandlerContext", "StateHandler", "default_handler", "handler_by_name"]
+
+
+def default_handler(item: Any, *, item_name: str) -> Handler:
+    """The handler orbit_pt uses for ``item`` when none was configured for ``item_name``."""
+    if has_state_dict(item) or isinstance(item, (dict, list, tuple)):
+        return StateHandler()
+    raise CheckpointTypeError(
+        f"item {item_name!r} is a {type(item).__name__}, which has no default handler: give it "
+        "state_dict()/load_state_dict(), pass a dict, or configure one with "
+        f"CheckpointManager(..., handlers={{{item_name!r}: YourHandler()}})"
+    )
+
+
+def handler_by_name(name: str) -> Handler | None:
+    """A fresh built-in handler registered under ``name`` (as recorded in metadata), or None."""
+    factory = _BUILTIN.get(name)
+    return factory() if factory is not None else None
+
+
+_BUILTIN: dict[str, type[Any]] = {StateHandler.name: StateHandler}

@@ -1,0 +1,391 @@
+"""``CheckpointManager``: when to save, atomic commits of steps, and what retention keeps."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from orbit_pt import _version
+from orbit_pt._commit import StepStore
+from orbit_pt.errors import (
+    CheckpointError,
+    CheckpointTypeError,
+    CheckpointValueError,
+    CorruptCheckpointError,
+    ItemNotFoundError,
+    ReadOnlyError,
+)
+from orbit_pt.handlers import Handler, HandlerContext, default_handler, handler_by_name
+from orbit_pt.metadata import ItemMetadata, StepMetadata, validate_metrics
+from orbit_pt.options import CheckpointManagerOptions
+from orbit_pt.policies import CheckpointInfo
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    """Saves and restores the steps of one training run under a root folder.
+
+    Args:
+        directory: the root folder; created when missing (unless ``read_only``).
+        options: when to save and what to keep; defaults save every step and keep every step.
+        handlers: item name -> handler, for items whose default handler (chosen by type) is not
+            what you want.
+        clock: seconds since the epoch, for the commit time recorded in each step. Tests pass a
+            fake clock; leave it alone otherwise.
+
+    Raises:
+        CheckpointLockedError: another writing manager holds the root; open this one with
+            ``CheckpointManagerOptions(read_only=True)`` to read beside it.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        options: CheckpointManagerOptions | None = None,
+        handlers: Mapping[str, Handler] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._options = options if options is not None else CheckpointManagerOptions()
+        if not isinstance(self._options, CheckpointManagerOptions):
+            raise CheckpointTypeError(
+                f"options must be a CheckpointManagerOptions, got {type(self._options).__name__}"
+            )
+        self._handlers = dict(handlers or {})
+        for name, handler in self._handlers.items():
+            _check_item_name(name)
+            if not isinstance(handler, Handler):
+                raise CheckpointTypeError(
+                    f"handlers[{name!r}] must implement the Handler protocol (name, save, "
+                    f"restore), got {type(handler).__name__}"
+                )
+        self._clock = clock
+        self._retention = self._options.retention_policy()
+        self._best = self._options.best_policy()
+        self._save_policy = self._options.save_policy_object()
+        self._warned_unranked = False
+        self._closed = False
+        self._store = StepStore(
+            Path(directory), read_only=self._options.read_only, lock_timeout=0.0
+        )
+
+    # ------------------------------------------------------------------------------- discovery
+
+    @property
+    def directory(self) -> Path:
+        """The root folder."""
+        return self._store.root
+
+    def all_steps(self) -> list[int]:
+        """Every committed step, ascending; ``[]`` when there is none."""
+        return self._store.steps()
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self._store.steps()
+        return steps[-1] if steps else None
+
+    def best_step(self) -> int | None:
+        """The committed step with the best ``best_metric``.
+
+        Without ``best_metric`` configured this is the latest step. Steps saved without the
+        metric are not ranked; None when no committed step carries it.
+        """
+        if self._best is None:
+            return self.latest_step()
+        ranked = self._best.ranked(self._infos())
+        return ranked[0].step if ranked else None
+
+    def step_dir(self, step: int) -> Path:
+        """The committed folder of ``step`` (e.g. for ``from_pretrained(step_dir / "model")``)."""
+        self._store.metadata(_check_step(step))
+        return self._store.step_path(step)
+
+    def metadata(self, step: int | None = None) -> StepMetadata:
+        """What was recorded about ``step`` (default: the latest) when it was committed."""
+        return self._store.metadata(self._resolve_step(step))
+
+    def reload(self) -> None:
+        """Re-read the root, e.g. in a read-only manager to see steps committed since it opened."""
+        self._store.rescan()
+
+    # ---------------------------------------------------------------------------------- saving
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is a save step (interval, listed steps, custom policy, preemption)."""
+        _check_step(step)
+        return self._save_policy.should_save(step, preempted=self.reached_preemption(step))
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether the job was asked to stop (a preemption signal); agreed by every rank."""
+        _check_step(step)
+        return False
+
+    def save(
+        self,
+        step: int,
+        items: Mapping[str, Any],
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Save ``items`` as ``step``, atomically; return whether a step was saved.
+
+        Without ``force``, nothing happens unless ``should_save(step)``. Saving a step that
+        exists, or one older than existing steps (a rollback), moves those steps into
+        ``superseded/`` first, with a warning: nothing is deleted silently. Retention runs only
+        after the new step is committed.
+
+        Raises:
+            CheckpointSaveError: writing failed; nothing of ``step`` was committed and earlier
+                steps are untouched. The cause is chained.
+        """
+        self._check_open()
+        _check_step(step)
+        if self._options.read_only:
+            raise ReadOnlyError(
+                f"this manager opened {self.directory} read-only; it cannot save step {step}. "
+                "Open it without read_only=True (only one writer per root)"
+            )
+        if not force and not self.should_save(step):
+            return False
+        handlers = self._handlers_for_save(items)
+        metric_values = validate_metrics(metrics, step=step)
+        context = HandlerContext(step=step, items=dict(items))
+
+        def write_items(tmp: Path) -> dict[str, ItemMetadata]:
+            written = {}
+            for name, handler in handlers.items():
+                item_dir = tmp / name
+                item_dir.mkdir()
+                info = handler.save(item_dir, items[name], context)
+                written[name] = ItemMetadata(handler=handler.name, info=dict(info or {}))
+            return written
+
+        def build_metadata(written: dict[str, ItemMetadata], files: dict) -> StepMetadata:
+            return StepMetadata(
+                step=step,
+                time=self._clock(),
+                items=written,
+                metrics=metric_values,
+                world_size=1,
+                files=files,
+                orbit_pt_version=_version.__version__,
+            )
+
+        self._store.commit(step, write_items, build_metadata)
+        self._warn_if_unranked(step, metric_values)
+        self._apply_retention()
+        return True
+
+    def delete(self, step: int) -> None:
+        """Delete a committed step (renamed away first, so it is never listed half-deleted)."""
+        self._check_open()
+        if self._options.read_only:
+            raise ReadOnlyError(f"this manager opened {self.directory} read-only; cannot delete")
+        self._store.metadata(_check_step(step))
+        self._store.delete(step)
+
+    def wait_until_finished(self) -> None:
+        """Block until a save in flight is committed; re-raise its failure, if any."""
+
+    # ------------------------------------------------------------------------------- restoring
+
+    def restore(
+        self,
+        step: int | None = None,
+        items: Mapping[str, Any] | Sequence[str] | None = None,
+    ) -> dict[str, Any]:
+        """Restore ``step`` (default: the latest).
+
+        Args:
+            step: a committed step, or None for the latest.
+            items: ``{name: live object}`` to load in place (modules, optimizers, objects with
+                ``load_state_dict``, dicts of tensors); a value of None, or a sequence of names,
+                returns that item's saved state instead. None restores every item as plain
+                state. A subset of the saved items is fine.
+
+        Returns:
+            name -> the loaded object (in place) or its saved state.
+        """
+        self._check_open()
+        step = self._resolve_step(step)
+        meta = self._store.metadata(step)
+        self._store.check_files(step, meta)
+        targets = self._targets(step, meta, items)
+        context = HandlerContext(step=step, items=targets, saved_world_size=meta.world_size)
+        out: dict[str, Any] = {}
+        for name, target in targets.items():
+            handler = self._handler_for_restore(step, name, meta.items[name])
+            item_dir = self._store.step_path(step) / name
+            try:
+                out[name] = handler.restore(item_dir, target, context)
+            except CheckpointError:
+                raise
+            except OSError as exc:
+                raise CorruptCheckpointError(
+                    f"reading item {name!r} of step {step} from {item_dir} failed: {exc}"
+                ) from exc
+        return out
+
+    # ------------------------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Finish any save in flight and release the root's lock. Safe to call twice."""
+        if self._closed:
+            return
+        try:
+            self.wait_until_finished()
+        finally:
+            self._closed = True
+            self._store.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({str(self.directory)!r}, steps={self._store.steps()})"
+
+    # --------------------------------------------------------------------------------- helpers
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(
+                f"this CheckpointManager for {self.directory} is closed; open a new one"
+            )
+
+    def _resolve_step(self, step: int | None) -> int:
+        if step is None:
+            latest = self.latest_step()
+            if latest is None:
+                self._store.metadata(None)  # raises StepNotFoundError with the root named
+            assert latest is not None
+            return latest
+        return _check_step(step)
+
+    def _infos(self) -> list[CheckpointInfo]:
+        return [
+            CheckpointInfo(step=s, time=m.time, metrics=m.metrics)
+            for s, m in self._store.committed().items()
+        ]
+
+    def _apply_retention(self) -> None:
+        if self._retention is None:
+            return
+        infos = self._infos()
+        if not infos:
+            return
+        keep = set(self._retention.keep(infos)) | {infos[-1].step}
+        for info in infos:
+            if info.step not in keep:
+                logger.info("retention: deleting step %d from %s", info.step, self.directory)
+                self._store.delete(info.step)
+
+    def _warn_if_unranked(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self._best is None or self._best.metric in metrics or self._warned_unranked:
+            return
+        self._warned_unranked = True
+        logger.warning(
+            "step %d in %s was saved without metric %r, so best-n retention cannot rank it and "
+            "keeps it; pass metrics={%r: ...} to save() (logged once)",
+            step,
+            self.directory,
+            self._best.metric,
+            self._best.metric,
+        )
+
+    def _handlers_for_save(self, items: Mapping[str, Any]) -> dict[str, Handler]:
+        if not isinstance(items, Mapping):
+            raise CheckpointTypeError(
+                f"items must be a mapping of item name -> object, got {type(items).__name__}; "
+                'e.g. {"model": model, "optimizer": optimizer}'
+            )
+        if not items:
+            raise CheckpointValueError("items is empty; give at least one item to save")
+        return {
+            name: self._handlers.get(name)
+            or default_handler(item, item_name=_check_item_name(name))
+            for name, item in items.items()
+        }
+
+    def _handler_for_restore(self, step: int, name: str, saved: ItemMetadata) -> Handler:
+        configured = self._handlers.get(name)
+        if configured is not None:
+            if configured.name != saved.handler:
+                raise CheckpointValueError(
+                    f"item {name!r} of step {step} was saved by handler {saved.handler!r}, but "
+                    f"handlers[{name!r}] is {configured.name!r}; configure a {saved.handler!r} "
+                    "handler for it, or restore without one"
+                )
+            return configured
+        handler = handler_by_name(saved.handler)
+        if handler is None:
+            raise CheckpointValueError(
+                f"item {name!r} of step {step} was saved by handler {saved.handler!r}, which is "
+                f"not built in; pass CheckpointManager(..., handlers={{{name!r}: ...}}) with it"
+            )
+        return handler
+
+    def _targets(
+        self, step: int, meta: StepMetadata, items: Mapping[str, Any] | Sequence[str] | None
+    ) -> dict[str, Any]:
+        if items is None:
+            return dict.fromkeys(meta.items)
+        if isinstance(items, Mapping):
+            targets = dict(items)
+        elif isinstance(items, Sequence) and not isinstance(items, (str, bytes)):
+            targets = dict.fromkeys(items)
+        else:
+            raise CheckpointTypeError(
+                "items must be a mapping of name -> object to load into, or a sequence of item "
+                f"names, got {type(items).__name__}"
+            )
+        missing = [name for name in targets if name not in meta.items]
+        if missing:
+            raise ItemNotFoundError(
+                f"step {step} under {self.directory} has no item(s) {missing}; it holds "
+                f"{sorted(meta.items)}"
+            )
+        return targets
+
+
+def _check_step(step: object) -> int:
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise CheckpointTypeError(
+            f"step must be an int, got {step!r} ({type(step).__name__}); pass int(step)"
+        )
+    if step < 0:
+        raise CheckpointValueError(f"step must be >= 0, got {step}")
+    return step
+
+
+def _check_item_name(name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise CheckpointValueError(f"item names must be non-empty strings, got {name!r}")
+    if (
+        name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or name.startswith((".", "_"))
+        or name != name.strip()
+    ):
+        raise CheckpointValueError(
+            f"item name {name!r} cannot be a folder name inside a step: use letters, digits, "
+            "'-' and '_' (not first), with no '/', '\\', leading '.' or '_', e.g. 'model'"
+        )
+    return name
