@@ -23,6 +23,7 @@ from orbit_pt.manager import CheckpointManager
 from orbit_pt.metadata import FileMetadata, ItemMetadata, StepMetadata
 from orbit_pt.options import CheckpointManagerOptions
 from orbit_pt.policies import CheckpointInfo
+from orbit_pt.recipe import RecipeState, RNGState
 
 __all__ = [
     "CheckpointError",
@@ -37,7 +38,9 @@ __all__ = [
     "FileMetadata",
     "ItemMetadata",
     "ItemNotFoundError",
+    "RNGState",
     "ReadOnlyError",
+    "RecipeState",
     "StateMismatchError",
     "StepAlreadyExistsError",
     "StepMetadata",

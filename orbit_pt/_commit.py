@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import filelock
 
 from orbit_pt import _fs, _layout
+from orbit_pt._dist import Collective
 from orbit_pt.errors import (
     CheckpointLockedError,
     CheckpointSaveError,
@@ -34,26 +36,42 @@ BuildMetadata = Callable[[dict[str, ItemMetadata], dict[str, FileMetadata]], Ste
 
 
 class StepStore:
-    """The committed steps under one root, and the only code that changes that root."""
+    """The committed steps under one root, and the only code that changes that root.
 
-    def __init__(self, root: Path, *, read_only: bool, lock_timeout: float) -> None:
+    Under torch.distributed only rank 0 touches the root (lock, clean-up, metadata, renames,
+    deletions); every rank writes its own part of a step into the temporary folder, and every
+    rank's view of the committed steps is updated from what rank 0 did, so that all ranks list
+    the same steps.
+    """
+
+    def __init__(
+        self, root: Path, *, read_only: bool, dist: Collective, lock_timeout: float = 0.0
+    ) -> None:
         self.root = root
         self.read_only = read_only
+        self.dist = dist
         self._lock: filelock.BaseFileLock | None = None
+        self._mutex = threading.Lock()  # the background commit thread updates the view too
         self._committed: dict[int, StepMetadata] = {}
         if not read_only:
-            root.mkdir(parents=True, exist_ok=True)
-            self._lock = filelock.FileLock(root / _layout.LOCK_FILE, timeout=lock_timeout)
-            try:
-                self._lock.acquire()
-            except filelock.Timeout:
-                raise CheckpointLockedError(
-                    f"another CheckpointManager is writing to {root} (it holds "
-                    f"{root / _layout.LOCK_FILE}); close it first, or open this one with "
-                    "CheckpointManagerOptions(read_only=True) to only read"
-                ) from None
-            self._remove_leftovers()
+            self.dist.run_everywhere(f"opening {root}", lambda: self._open_writer(lock_timeout))
         self.rescan()
+
+    def _open_writer(self, lock_timeout: float) -> None:
+        if not self.dist.is_primary:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        lock = filelock.FileLock(self.root / _layout.LOCK_FILE, timeout=lock_timeout)
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            raise CheckpointLockedError(
+                f"another CheckpointManager is writing to {self.root} (it holds "
+                f"{self.root / _layout.LOCK_FILE}); close it first, or open this one with "
+                "CheckpointManagerOptions(read_only=True) to only read"
+            ) from None
+        self._lock = lock
+        self._remove_leftovers()
 
     # ------------------------------------------------------------------------------- discovery
 
@@ -75,7 +93,8 @@ class StepStore:
             meta = self._read_committed(Path(entry.path), step)
             if meta is not None:
                 found[step] = meta
-        self._committed = dict(sorted(found.items()))
+        with self._mutex:
+            self._committed = dict(sorted(found.items()))
 
     def _read_committed(self, path: Path, step: int) -> StepMetadata | None:
         meta_path = path / _layout.METADATA_FILE
@@ -98,19 +117,22 @@ class StepStore:
     def steps(self) -> list[int]:
         if self.read_only:
             self.rescan()  # another process writes this root: look again every time
-        return list(self._committed)
+        with self._mutex:
+            return list(self._committed)
 
     def committed(self) -> dict[int, StepMetadata]:
         if self.read_only:
             self.rescan()
-        return dict(self._committed)
+        with self._mutex:
+            return dict(self._committed)
 
     def metadata(self, step: int | None) -> StepMetadata:
         if self.read_only:
             self.rescan()
-        meta = self._committed.get(step) if step is not None else None
-        if meta is None:
-            raise StepNotFoundError(step, self.root, list(self._committed))
+        with self._mutex:
+            meta = self._committed.get(step) if step is not None else None
+            if meta is None:
+                raise StepNotFoundError(step, self.root, list(self._committed))
         return meta
 
     def step_path(self, step: int) -> Path:
@@ -135,40 +157,82 @@ class StepStore:
 
     # ---------------------------------------------------------------------------------- commit
 
-    def commit(self, step: int, write_items: WriteItems, build_metadata: BuildMetadata) -> None:
-        """Write a step through ``write_items`` into a temporary folder and commit it atomically."""
+    def commit(
+        self,
+        step: int,
+        write_items: WriteItems,
+        build_metadata: BuildMetadata,
+        *,
+        dist: Collective | None = None,
+    ) -> None:
+        """Write a step through ``write_items`` (on every rank) and commit it atomically.
+
+        Collective under torch.distributed: every rank calls it for the same step. A failure on
+        any rank fails the save on every rank, names the rank, and commits nothing.
+        """
+        dist = dist if dist is not None else self.dist
+        tmp = self.root / _layout.tmp_name(step)
+        try:
+            dist.run_everywhere(f"preparing step {step}", lambda: self._prepare(step, tmp))
+            written = dist.run_everywhere(
+                f"writing step {step}", lambda: self._write(tmp, write_items)
+            )
+            committed = dist.run_everywhere(
+                f"committing step {step}",
+                lambda: self._finalize(step, tmp, written, build_metadata),
+            )
+        except Exception as exc:
+            if dist.is_primary:
+                _fs.remove_tree(tmp)
+            raise CheckpointSaveError(step, tmp, f"{type(exc).__name__}: {exc}") from exc
+        outcome = dist.broadcast(committed)
+        assert outcome is not None  # rank 0 returns it; broadcast hands it to every rank
+        meta_json, superseded = outcome
+        meta = StepMetadata.from_json(meta_json, path=self.step_path(step) / _layout.METADATA_FILE)
+        with self._mutex:
+            for victim in superseded:
+                self._committed.pop(victim, None)
+            self._committed[step] = meta
+            self._committed = dict(sorted(self._committed.items()))
+
+    def _prepare(self, step: int, tmp: Path) -> None:
+        if not self.dist.is_primary:
+            return
         final = self.step_path(step)
         if final.exists() and step not in self._committed:
             raise StepAlreadyExistsError(
                 f"{final} exists but is not a committed orbit_pt step (no readable "
                 f"{_layout.METADATA_FILE}); move it out of {self.root} and save again"
             )
-        tmp = self.root / _layout.tmp_name(step)
         _fs.remove_tree(tmp)
-        try:
-            tmp.mkdir()
-            written = write_items(tmp)
-            files = {
-                rel.as_posix(): FileMetadata(size=(tmp / rel).stat().st_size)
-                for rel in _fs.iter_files(tmp)
-            }
-            _fs.fsync_tree(tmp)
-            meta = build_metadata(written, files)
-            _fs.write_file_durably(tmp / _layout.METADATA_FILE, meta.to_json())
-            _fs.fsync_path(tmp)
-        except BaseException as exc:
-            _fs.remove_tree(tmp)
-            if isinstance(exc, Exception):
-                raise CheckpointSaveError(step, tmp, f"{type(exc).__name__}: {exc}") from exc
-            raise
-        self._supersede_from(step)
-        os.replace(tmp, final)
-        _fs.fsync_path(self.root)
-        self._committed[step] = meta
-        self._committed = dict(sorted(self._committed.items()))
-        logger.info("committed step %d to %s", step, final)
+        tmp.mkdir()
 
-    def _supersede_from(self, step: int) -> None:
+    def _write(self, tmp: Path, write_items: WriteItems) -> dict[str, ItemMetadata]:
+        written = write_items(tmp)
+        # Every rank fsyncs what it can see: on a shared filesystem that flushes the pages this
+        # rank wrote, which rank 0 could not flush for it.
+        _fs.fsync_tree(tmp)
+        return written
+
+    def _finalize(
+        self, step: int, tmp: Path, written: dict[str, ItemMetadata], build: BuildMetadata
+    ) -> tuple[bytes, list[int]] | None:
+        if not self.dist.is_primary:
+            return None
+        files = {
+            rel.as_posix(): FileMetadata(size=(tmp / rel).stat().st_size)
+            for rel in _fs.iter_files(tmp)
+        }
+        meta = build(written, files)
+        _fs.write_file_durably(tmp / _layout.METADATA_FILE, meta.to_json())
+        _fs.fsync_path(tmp)
+        superseded = self._supersede_from(step)
+        os.replace(tmp, self.step_path(step))
+        _fs.fsync_path(self.root)
+        logger.info("committed step %d to %s", step, self.step_path(step))
+        return meta.to_json(), superseded
+
+    def _supersede_from(self, step: int) -> list[int]:
         """Move ``step`` and every newer committed step into ``superseded/``, newest first.
 
         Newest first, so that a crash in the middle leaves a prefix of the old timeline: the
@@ -176,7 +240,7 @@ class StepStore:
         """
         victims = sorted((s for s in self._committed if s >= step), reverse=True)
         if not victims:
-            return
+            return victims
         logger.warning(
             "saving step %d in %s replaces committed step(s) %s: moving them to %s/ "
             "(delete them there when you no longer need them)",
@@ -191,20 +255,39 @@ class StepStore:
         for victim in victims:
             destination = folder / f"{_layout.step_name(victim)}.{stamp}"
             os.replace(self.step_path(victim), destination)
-            del self._committed[victim]
         _fs.fsync_path(folder)
         _fs.fsync_path(self.root)
+        return victims
 
     # ---------------------------------------------------------------------------------- delete
 
-    def delete(self, step: int) -> None:
-        """Delete a committed step: rename it out of the step namespace, then remove it."""
-        doomed = self.root / (_layout.step_name(step) + _layout.DELETING_SUFFIX)
-        _fs.remove_tree(doomed)
-        os.replace(self.step_path(step), doomed)
-        _fs.fsync_path(self.root)
-        del self._committed[step]
-        _fs.remove_tree(doomed)
+    def delete(self, steps: list[int], *, dist: Collective | None = None) -> None:
+        """Delete committed steps: each is renamed out of the step namespace, then removed.
+
+        Collective under torch.distributed (rank 0 deletes, every rank updates its view).
+        """
+
+        dist = dist if dist is not None else self.dist
+        deleted: list[int] = []
+
+        def remove() -> None:
+            if not dist.is_primary:
+                return
+            for step in steps:
+                doomed = self.root / (_layout.step_name(step) + _layout.DELETING_SUFFIX)
+                _fs.remove_tree(doomed)
+                os.replace(self.step_path(step), doomed)
+                _fs.fsync_path(self.root)
+                deleted.append(step)  # out of the step namespace: no longer a step
+                _fs.remove_tree(doomed)
+
+        try:
+            dist.run_everywhere(f"deleting steps {steps}", remove)
+        finally:
+            gone = dist.broadcast(deleted)
+            with self._mutex:
+                for step in gone:
+                    self._committed.pop(step, None)
 
     # ------------------------------------------------------------------------------- lifecycle
 

@@ -235,3 +235,36 @@ def _read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
             )
         entries[name] = TensorEntry(name, dtype, shape, data_start + begin, data_start + end)
     return entries, metadata
+
+
+def create_file(path: Path, header: bytes, data_size: int) -> None:
+    """Create ``path`` holding ``header`` followed by ``data_size`` bytes still to be written.
+
+    The data section is left as a hole that :func:`write_range` fills, in any order and from any
+    process: that is what lets each rank of a distributed save write only its own rows.
+    """
+    with open(path, "xb", buffering=0) as f:
+        f.write(header)
+        f.truncate(len(header) + data_size)
+
+
+def write_range(fd: int, offset: int, view: memoryview) -> None:
+    """Write all of ``view`` at absolute file ``offset`` of the open file ``fd``."""
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done : done + _CHUNK], offset + done)
+
+
+def read_range(fd: int, offset: int, view: memoryview, path: Path) -> None:
+    """Fill ``view`` from absolute file ``offset`` of ``fd``; a short file names ``path``."""
+    _read_into(_Fd(fd), offset, view, path)
+
+
+class _Fd:
+    """Adapts a raw descriptor to the ``fileno()`` interface :func:`_read_into` expects."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def fileno(self) -> int:
+        return self._fd

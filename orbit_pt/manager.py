@@ -11,7 +11,10 @@ from types import TracebackType
 from typing import Any
 
 from orbit_pt import _version
+from orbit_pt._background import BackgroundSaver
 from orbit_pt._commit import StepStore
+from orbit_pt._dist import Collective
+from orbit_pt._preemption import PreemptionWatcher
 from orbit_pt.errors import (
     CheckpointError,
     CheckpointTypeError,
@@ -21,7 +24,8 @@ from orbit_pt.errors import (
     ReadOnlyError,
 )
 from orbit_pt.handlers import Handler, HandlerContext, default_handler, handler_by_name
-from orbit_pt.metadata import ItemMetadata, StepMetadata, validate_metrics
+from orbit_pt.handlers.base import StagingHandler
+from orbit_pt.metadata import FileMetadata, ItemMetadata, StepMetadata, validate_metrics
 from orbit_pt.options import CheckpointManagerOptions
 from orbit_pt.policies import CheckpointInfo
 
@@ -68,12 +72,31 @@ class CheckpointManager:
         self._clock = clock
         self._retention = self._options.retention_policy()
         self._best = self._options.best_policy()
+        # The best-n rules of the retention policy: a step saved without their metric is
+        # kept unranked, and that is logged once.
+        self._ranking = self._options.ranking_policies()
         self._save_policy = self._options.save_policy_object()
         self._warned_unranked = False
+        self._warned_no_staging: set[str] = set()
         self._closed = False
-        self._store = StepStore(
-            Path(directory), read_only=self._options.read_only, lock_timeout=0.0
+        # Default handlers are kept per item name, so their staging buffers are reused.
+        self._default_handlers: dict[str, Handler] = {}
+        # Collective under torch.distributed: every rank constructs its manager at the same point.
+        self._dist = Collective()
+        self._store = StepStore(Path(directory), read_only=self._options.read_only, dist=self._dist)
+        # The background commit talks over a gloo group of its own, so that its barriers never
+        # interleave with the training thread's (preemption checks, synchronous saves).
+        self._background_dist = (
+            Collective(group=self._dist.new_group())
+            if self._options.async_save and self._dist.enabled and not self._options.read_only
+            else self._dist
         )
+        self._background = BackgroundSaver(self._store.root)
+        self._preemption = PreemptionWatcher(
+            () if self._options.read_only else self._options.preemption_signals
+        )
+        self._preemption_agreed: tuple[int, bool] | None = None
+        self._preempted = False
 
     # ------------------------------------------------------------------------------- discovery
 
@@ -92,10 +115,12 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def best_step(self) -> int | None:
-        """The committed step with the best ``best_metric``.
+        """The committed step with the best ``best_metric`` (ties: the newer step).
 
-        Without ``best_metric`` configured this is the latest step. Steps saved without the
-        metric are not ranked; None when no committed step carries it.
+        Ranked by ``best_metric``/``best_mode``, or else by the ``KeepBestN`` in ``retention=``;
+        with neither, this is the latest step. Steps saved without the metric are not ranked;
+        None when no committed step carries it. Metrics are read from each step's metadata, so
+        this survives restarts.
         """
         if self._best is None:
             return self.latest_step()
@@ -123,9 +148,33 @@ class CheckpointManager:
         return self._save_policy.should_save(step, preempted=self.reached_preemption(step))
 
     def reached_preemption(self, step: int) -> bool:
-        """Whether the job was asked to stop (a preemption signal); agreed by every rank."""
+        """Whether the job was asked to stop by a preemption signal, agreed by every rank.
+
+        Under torch.distributed this is collective (one all-reduce on a gloo group, unless no
+        preemption signal is watched): call it at the same point of every rank's loop. Every
+        rank gets the same answer at the same step, so the preemption save that follows is
+        one save on all ranks. Once True it stays True.
+        """
         _check_step(step)
-        return False
+        if self._preempted:
+            return True
+        if self._preemption_agreed is not None and self._preemption_agreed[0] == step:
+            return self._preemption_agreed[1]
+        local = self._preemption.requested
+        # Decided by the options, which every rank shares, and not by whether this rank could
+        # install its handler: one rank skipping the all-reduce would hang the others.
+        watched = bool(self._options.preemption_signals) and not self._options.read_only
+        agreed = self._dist.any(local) if watched else local
+        self._preemption_agreed = (step, agreed)
+        if agreed:
+            self._preempted = True
+            logger.warning(
+                "preemption agreed at step %d (rank %d of %d)",
+                step,
+                self._dist.rank,
+                self._dist.world_size,
+            )
+        return agreed
 
     def save(
         self,
@@ -157,43 +206,95 @@ class CheckpointManager:
             return False
         handlers = self._handlers_for_save(items)
         metric_values = validate_metrics(metrics, step=step)
-        context = HandlerContext(step=step, items=dict(items))
+        # The previous async save must be durable (or its failure raised) before the next.
+        self._background.wait(reason=f"save of step {step}")
+        context = HandlerContext(
+            step=step, items=dict(items), rank=self._dist.rank, world_size=self._dist.world_size
+        )
+        # A preemption save is synchronous: the job is about to exit inside its grace period.
+        if self._options.async_save and not self._preempted:
+            snapshots = self._stage(handlers, items, context)
+            if snapshots is not None:
+                job = self._save_job(step, handlers, snapshots, context, metric_values)
+                self._background.submit(step, job)
+                return True
+        self._save_job(step, handlers, items, context, metric_values, dist=self._dist)()
+        return True
+
+    def _stage(
+        self, handlers: Mapping[str, Handler], items: Mapping[str, Any], context: HandlerContext
+    ) -> dict[str, Any] | None:
+        """Snapshots of every item for a background save, or None if a handler can't stage."""
+        for name, handler in handlers.items():
+            if not isinstance(handler, StagingHandler):
+                if name not in self._warned_no_staging:
+                    self._warned_no_staging.add(name)
+                    logger.warning(
+                        "async_save: handler %r of item %r has no stage(); saving synchronously",
+                        handler.name,
+                        name,
+                    )
+                return None
+        staged: dict[str, Any] = {}
+        for name, handler in handlers.items():
+            assert isinstance(handler, StagingHandler)
+            staged[name] = handler.stage(items[name], context)
+        return staged
+
+    def _save_job(
+        self,
+        step: int,
+        handlers: Mapping[str, Handler],
+        items: Mapping[str, Any],
+        context: HandlerContext,
+        metrics: dict[str, float],
+        *,
+        dist: Collective | None = None,
+    ) -> Callable[[], None]:
+        """The write + commit + retention of one step, to run now or on the background thread."""
+        collective = dist if dist is not None else self._background_dist
 
         def write_items(tmp: Path) -> dict[str, ItemMetadata]:
             written = {}
             for name, handler in handlers.items():
                 item_dir = tmp / name
-                item_dir.mkdir()
+                item_dir.mkdir(exist_ok=True)  # every rank may create it on a shared filesystem
                 info = handler.save(item_dir, items[name], context)
                 written[name] = ItemMetadata(handler=handler.name, info=dict(info or {}))
             return written
 
-        def build_metadata(written: dict[str, ItemMetadata], files: dict) -> StepMetadata:
+        def build_metadata(
+            written: dict[str, ItemMetadata], files: dict[str, FileMetadata]
+        ) -> StepMetadata:
             return StepMetadata(
                 step=step,
                 time=self._clock(),
                 items=written,
-                metrics=metric_values,
-                world_size=1,
+                metrics=metrics,
+                world_size=collective.world_size,
                 files=files,
                 orbit_pt_version=_version.__version__,
             )
 
-        self._store.commit(step, write_items, build_metadata)
-        self._warn_if_unranked(step, metric_values)
-        self._apply_retention()
-        return True
+        def job() -> None:
+            self._store.commit(step, write_items, build_metadata, dist=collective)
+            self._warn_if_unranked(step, metrics)
+            self._apply_retention(collective)
+
+        return job
 
     def delete(self, step: int) -> None:
         """Delete a committed step (renamed away first, so it is never listed half-deleted)."""
         self._check_open()
         if self._options.read_only:
             raise ReadOnlyError(f"this manager opened {self.directory} read-only; cannot delete")
+        self._background.wait(reason=f"delete of step {step}")
         self._store.metadata(_check_step(step))
-        self._store.delete(step)
+        self._store.delete([step], dist=self._dist)
 
     def wait_until_finished(self) -> None:
         """Block until a save in flight is committed; re-raise its failure, if any."""
+        self._background.wait()
 
     # ------------------------------------------------------------------------------- restoring
 
@@ -215,11 +316,18 @@ class CheckpointManager:
             name -> the loaded object (in place) or its saved state.
         """
         self._check_open()
+        self._background.wait(reason="restore")
         step = self._resolve_step(step)
         meta = self._store.metadata(step)
         self._store.check_files(step, meta)
         targets = self._targets(step, meta, items)
-        context = HandlerContext(step=step, items=targets, saved_world_size=meta.world_size)
+        context = HandlerContext(
+            step=step,
+            items=targets,
+            rank=self._dist.rank,
+            world_size=self._dist.world_size,
+            saved_world_size=meta.world_size,
+        )
         out: dict[str, Any] = {}
         for name, target in targets.items():
             handler = self._handler_for_restore(step, name, meta.items[name])
@@ -244,6 +352,7 @@ class CheckpointManager:
             self.wait_until_finished()
         finally:
             self._closed = True
+            self._preemption.close()
             self._store.close()
 
     def __enter__(self) -> CheckpointManager:
@@ -283,29 +392,32 @@ class CheckpointManager:
             for s, m in self._store.committed().items()
         ]
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, dist: Collective) -> None:
         if self._retention is None:
             return
         infos = self._infos()
         if not infos:
             return
         keep = set(self._retention.keep(infos)) | {infos[-1].step}
-        for info in infos:
-            if info.step not in keep:
-                logger.info("retention: deleting step %d from %s", info.step, self.directory)
-                self._store.delete(info.step)
+        # Rank 0 decides, so that a policy that is not deterministic still deletes the same
+        # steps from every rank's view.
+        doomed = dist.broadcast([info.step for info in infos if info.step not in keep])
+        if doomed:
+            logger.info("retention: deleting step(s) %s from %s", doomed, self.directory)
+            self._store.delete(doomed, dist=dist)
 
     def _warn_if_unranked(self, step: int, metrics: Mapping[str, float]) -> None:
-        if self._best is None or self._best.metric in metrics or self._warned_unranked:
+        missing = sorted({rule.metric for rule in self._ranking if rule.metric not in metrics})
+        if not missing or self._warned_unranked:
             return
         self._warned_unranked = True
         logger.warning(
-            "step %d in %s was saved without metric %r, so best-n retention cannot rank it and "
+            "step %d in %s was saved without metric %s, so best-n retention cannot rank it and "
             "keeps it; pass metrics={%r: ...} to save() (logged once)",
             step,
             self.directory,
-            self._best.metric,
-            self._best.metric,
+            ", ".join(map(repr, missing)),
+            missing[0],
         )
 
     def _handlers_for_save(self, items: Mapping[str, Any]) -> dict[str, Handler]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import signal
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,23 +16,36 @@ from orbit_pt.errors import CheckpointTypeError, CheckpointValueError
 class CheckpointManagerOptions:
     """Options of a :class:`~orbit_pt.CheckpointManager`.
 
+    Save cadence: ``should_save(step)`` is True when any configured save rule says so (or the
+    job is being preempted). There is no hidden "initial save" rule: step 0 is a save step only
+    because ``0 % n == 0``. ``save(..., force=True)`` saves whatever the rules say.
+
+    Retention: after each committed save the manager keeps the union of what every configured
+    retention rule keeps, plus the latest committed step, always, and deletes the other
+    committed steps of this root (nothing else). With no retention rule, every step is kept.
+    See docs/retention.md for worked examples.
+
     Attributes:
         save_interval_steps: ``should_save(step)`` is True when ``step % save_interval_steps == 0``.
             When no save rule is configured at all (this, ``save_on_steps`` and ``save_policy``
             all None), every step is a save step.
-        save_on_steps: extra steps to save on, whatever the interval.
+        save_on_steps: extra steps to save on, whatever the interval (a list, tuple or set).
         save_policy: a custom :class:`~orbit_pt.policies.SavePolicy`; combined (any-of) with the
-            two options above. A policy of the same kind as an option is an error: drop one.
-        keep_last_n: keep the n newest committed steps.
-        keep_every_k_steps: keep every committed step divisible by k.
-        keep_best_n: keep the n best steps by ``best_metric`` (``best_mode`` "min" or "max").
-        best_metric: the metric (a key of ``save(..., metrics=)``) that ranks steps; also what
-            ``best_step()`` uses.
-        best_mode: "min" (a loss) or "max" (an accuracy).
-        keep_time_interval: keep one step per this many seconds of wall time.
-        retention: custom :class:`~orbit_pt.policies.RetentionPolicy` objects, combined (any-of)
-            with the options above. With no retention rule at all, every step is kept. The latest
-            committed step is always kept.
+            two options above. A policy of the same kind as an option (``EveryNSteps`` with
+            ``save_interval_steps``, ``OnSteps`` with ``save_on_steps``) is a ValueError: drop one.
+        keep_last_n: keep the n newest committed steps (by step number).
+        keep_every_k_steps: keep every committed step divisible by k (0, k, 2k, ...).
+        keep_best_n: keep the n best steps by ``best_metric``; steps saved without that metric
+            cannot be ranked and are kept (the manager logs that once).
+        best_metric: the metric (a key of ``save(..., metrics=)``) that ranks steps; required by
+            ``keep_best_n``; also what ``best_step()`` ranks by, even without ``keep_best_n``.
+        best_mode: "min" (lower is better: a loss) or "max" (higher is better: an accuracy).
+        keep_time_interval: keep one step per this many seconds (or this ``timedelta``) of
+            commit time: the first step, then each step committed at least this long after the
+            last one kept.
+        retention: custom :class:`~orbit_pt.policies.RetentionPolicy` objects (one, or a list),
+            combined (any-of) with the options above. A policy of the same kind as an option
+            (``KeepLastN`` with ``keep_last_n``, ...) is a ValueError: drop one.
         async_save: ``save()`` returns after staging; writing and commit run in the background.
         read_only: open the root for reading only (an evaluator beside a training job): no lock,
             no clean-up, and ``save``/``delete`` raise.
@@ -39,24 +53,24 @@ class CheckpointManagerOptions:
     """
 
     save_interval_steps: int | None = None
-    save_on_steps: Sequence[int] | None = None
+    save_on_steps: Collection[int] | None = None
     save_policy: p.SavePolicy | None = None
     keep_last_n: int | None = None
     keep_every_k_steps: int | None = None
     keep_best_n: int | None = None
     best_metric: str | None = None
     best_mode: Literal["min", "max"] = "min"
-    keep_time_interval: float | None = None
-    retention: p.RetentionPolicy | Sequence[p.RetentionPolicy] | None = None
+    keep_time_interval: float | datetime.timedelta | None = None
+    retention: p.RetentionPolicy | Collection[p.RetentionPolicy] | None = None
     async_save: bool = False
     read_only: bool = False
-    preemption_signals: Sequence[signal.Signals] = ()
+    preemption_signals: Sequence[signal.Signals] = (signal.SIGTERM,)
 
     def __post_init__(self) -> None:
         if self.keep_best_n is not None and self.best_metric is None:
             raise CheckpointValueError(
                 f"keep_best_n={self.keep_best_n} needs best_metric, the name of the metric to "
-                "rank steps by (a key of save(..., metrics=))"
+                "rank steps by (a key of save(..., metrics=)), e.g. best_metric='loss'"
             )
         if self.best_mode not in ("min", "max"):
             raise CheckpointValueError(
@@ -68,71 +82,124 @@ class CheckpointManagerOptions:
                 raise CheckpointTypeError(
                     f"{name} must be True or False, got {getattr(self, name)!r}"
                 )
+        # Both are read again each time a policy is built: a one-shot iterator would be empty
+        # the second time, so only re-iterable collections are accepted.
+        _check_collection(self.save_on_steps, "save_on_steps", "e.g. [1000, 5000]")
+        if not isinstance(self.retention, p.RetentionPolicy):
+            _check_collection(self.retention, "retention", "e.g. [KeepSteps([1000])]")
         # Building the policies validates every value and catches option/policy clashes early.
         self.retention_policy()
+        self.best_policy()
         self.save_policy_object()
 
     def retention_policy(self) -> p.RetentionPolicy | None:
-        """The combined retention policy, or None to keep every step."""
+        """The combined retention policy, or None to keep every step.
+
+        The manager keeps the union of what this policy keeps, plus the latest committed step.
+        """
         built: list[tuple[str, p.RetentionPolicy]] = []
         if self.keep_last_n is not None:
-            built.append(("keep_last_n", p.KeepLastN(self.keep_last_n)))
+            built.append((f"keep_last_n={self.keep_last_n}", p.KeepLastN(self.keep_last_n)))
         if self.keep_every_k_steps is not None:
-            built.append(("keep_every_k_steps", p.KeepEveryKSteps(self.keep_every_k_steps)))
+            built.append(
+                (
+                    f"keep_every_k_steps={self.keep_every_k_steps}",
+                    p.KeepEveryKSteps(self.keep_every_k_steps),
+                )
+            )
         if self.keep_best_n is not None:
             assert self.best_metric is not None  # checked in __post_init__
             built.append(
-                ("keep_best_n", p.KeepBestN(self.keep_best_n, self.best_metric, self.best_mode))
+                (
+                    f"keep_best_n={self.keep_best_n}",
+                    p.KeepBestN(self.keep_best_n, self.best_metric, self.best_mode),
+                )
             )
         if self.keep_time_interval is not None:
-            built.append(("keep_time_interval", p.KeepTimeInterval(self.keep_time_interval)))
+            built.append(
+                (
+                    f"keep_time_interval={self.keep_time_interval!r}",
+                    p.KeepTimeInterval(_seconds(self.keep_time_interval)),
+                )
+            )
         custom = self._custom_retention()
         leaves = [leaf for c in custom for leaf in p.flatten_retention(c)]
         for option, policy in built:
             for leaf in leaves:
                 if type(leaf) is type(policy):
+                    name = option.split("=", 1)[0]
                     raise CheckpointValueError(
-                        f"both {option}= and a {type(leaf).__name__} in retention= were given; "
-                        f"drop {option}= or remove the {type(leaf).__name__} from retention="
+                        f"both {option} and {leaf!r} in retention= were given, and they are the "
+                        f"same kind of rule; drop {name}= or remove the "
+                        f"{type(leaf).__name__} from retention="
                     )
         policies = [policy for _, policy in built] + custom
         if not policies:
             return None
         return policies[0] if len(policies) == 1 else p.AnyOf(*policies)
 
+    def ranking_policies(self) -> list[p.KeepBestN]:
+        """The best-n rules of the retention policy (from ``keep_best_n`` or ``retention=``)."""
+        policy = self.retention_policy()
+        if policy is None:
+            return []
+        return [leaf for leaf in p.flatten_retention(policy) if isinstance(leaf, p.KeepBestN)]
+
     def best_policy(self) -> p.KeepBestN | None:
-        """The policy that ranks steps for ``best_step()``: by ``best_metric``, if set."""
-        if self.best_metric is None:
-            return None
-        return p.KeepBestN(self.keep_best_n or 1, self.best_metric, self.best_mode)
+        """The rule that ranks steps for ``best_step()``.
+
+        By ``best_metric``/``best_mode`` when ``best_metric`` is set (with or without
+        ``keep_best_n``); otherwise the first :class:`~orbit_pt.policies.KeepBestN` in
+        ``retention=``; otherwise None.
+        """
+        if self.best_metric is not None:
+            return p.KeepBestN(self.keep_best_n or 1, self.best_metric, self.best_mode)
+        ranking = self.ranking_policies()
+        return ranking[0] if ranking else None
 
     def save_policy_object(self) -> p.SavePolicy:
-        """The combined save policy (preemption is added by the manager)."""
+        """The combined save policy, always including :class:`~orbit_pt.policies.OnPreemption`.
+
+        With no save rule at all (``save_interval_steps``, ``save_on_steps`` and ``save_policy``
+        all None) every step is a save step. Whatever the rules, the step at which every rank
+        agreed that the job is being preempted is a save step.
+        """
         built: list[tuple[str, p.SavePolicy]] = []
         if self.save_interval_steps is not None:
-            built.append(("save_interval_steps", p.EveryNSteps(self.save_interval_steps)))
+            built.append(
+                (
+                    f"save_interval_steps={self.save_interval_steps}",
+                    p.EveryNSteps(self.save_interval_steps),
+                )
+            )
         if self.save_on_steps is not None:
-            built.append(("save_on_steps", p.OnSteps(self.save_on_steps)))
+            built.append((f"save_on_steps={self.save_on_steps!r}", p.OnSteps(self.save_on_steps)))
         custom: list[p.SavePolicy] = []
         if self.save_policy is not None:
             if not isinstance(self.save_policy, p.SavePolicy):
                 raise CheckpointTypeError(
                     "save_policy must be a SavePolicy (an object with should_save(step, *, "
-                    f"preempted)), got {self.save_policy!r}"
+                    f"preempted)), got {self.save_policy!r} ({type(self.save_policy).__name__}); "
+                    "combine several with AnySavePolicy(...)"
                 )
             custom = [self.save_policy]
             leaves = p.flatten_save(self.save_policy)
             for option, policy in built:
                 for leaf in leaves:
                     if type(leaf) is type(policy):
+                        name = option.split("=", 1)[0]
                         raise CheckpointValueError(
-                            f"both {option}= and a {type(leaf).__name__} in save_policy= were "
-                            f"given; drop {option}= or remove the {type(leaf).__name__}"
+                            f"both {option} and {leaf!r} in save_policy= were given, and they "
+                            f"are the same kind of rule; drop {name}= or remove the "
+                            f"{type(leaf).__name__} from save_policy="
                         )
         policies = [policy for _, policy in built] + custom
         if not policies:
-            return p.EveryNSteps(1)
-        return policies[0] if len(policies) == 1 else p.AnySavePolicy(*policies)
+            policies = [p.EveryNSteps(1)]
+        leaves = [leaf for policy in policies for leaf in p.flatten_save(policy)]
+        if not any(isinstance(leaf, p.OnPreemption) for leaf in leaves):
+            policies.append(p.OnPreemption())
+        return p.AnySavePolicy(*policies)
 
     def _custom_retention(self) -> list[p.RetentionPolicy]:
         if self.retention is None:
@@ -146,6 +213,22 @@ class CheckpointManagerOptions:
             if not isinstance(policy, p.RetentionPolicy):
                 raise CheckpointTypeError(
                     "retention must be a RetentionPolicy (an object with keep(checkpoints)) or a "
-                    f"sequence of them, got {policy!r}"
+                    f"list of them, got {policy!r} ({type(policy).__name__}) in it"
                 )
         return given
+
+
+def _check_collection(value: object, name: str, example: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, (str, bytes)) or not isinstance(value, Collection):
+        raise CheckpointTypeError(
+            f"{name} must be a list, tuple or set, got {value!r} ({type(value).__name__}); "
+            f"{example}"
+        )
+
+
+def _seconds(value: float | datetime.timedelta) -> float:
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    return value

@@ -6,7 +6,8 @@ always. A save policy says whether a step is a save step. Policies do no I/O and
 time arrives in :attr:`CheckpointInfo.time`, so they are easy to test and to reason about.
 
 Write your own by implementing :class:`RetentionPolicy` or :class:`SavePolicy` and passing it
-as ``CheckpointManagerOptions(retention=...)`` or ``CheckpointManagerOptions(save_policy=...)``.
+as ``CheckpointManagerOptions(retention=...)`` or ``CheckpointManagerOptions(save_policy=...)``
+(see docs/retention.md).
 """
 
 from __future__ import annotations
@@ -18,6 +19,24 @@ from typing import Literal, Protocol, runtime_checkable
 
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError
 
+__all__ = [
+    "AnyOf",
+    "AnySavePolicy",
+    "CheckpointInfo",
+    "EveryNSteps",
+    "KeepBestN",
+    "KeepEveryKSteps",
+    "KeepLastN",
+    "KeepSteps",
+    "KeepTimeInterval",
+    "OnPreemption",
+    "OnSteps",
+    "RetentionPolicy",
+    "SavePolicy",
+    "flatten_retention",
+    "flatten_save",
+]
+
 
 @dataclass(frozen=True)
 class CheckpointInfo:
@@ -25,8 +44,9 @@ class CheckpointInfo:
 
     Attributes:
         step: the training step.
-        time: commit time in seconds since the epoch.
-        metrics: the metrics given to ``save(..., metrics=)`` for this step.
+        time: commit time in seconds since the epoch (from the manager's clock).
+        metrics: the metrics given to ``save(..., metrics=)`` for this step, read back from the
+            step's metadata (so they survive restarts); empty when none were given.
     """
 
     step: int
@@ -36,7 +56,12 @@ class CheckpointInfo:
 
 @runtime_checkable
 class RetentionPolicy(Protocol):
-    """Chooses which committed steps to keep."""
+    """Chooses which committed steps to keep.
+
+    The manager calls :meth:`keep` after every committed save, with every committed step, and
+    deletes the steps that no configured policy keeps -- except the latest, which is always kept.
+    A policy must be pure: the same checkpoints give the same answer, with no I/O.
+    """
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         """The steps to keep among ``checkpoints`` (sorted by ascending step)."""
@@ -54,7 +79,9 @@ class SavePolicy(Protocol):
 
 def _positive_int(value: object, name: str, fix: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise CheckpointTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        raise CheckpointTypeError(
+            f"{name} must be an int >= 1, got {value!r} ({type(value).__name__}); {fix}"
+        )
     if value < 1:
         raise CheckpointValueError(f"{name} must be >= 1, got {value}; {fix}")
     return value
@@ -65,7 +92,7 @@ def _positive_int(value: object, name: str, fix: str) -> int:
 
 @dataclass(frozen=True)
 class KeepLastN:
-    """Keep the ``n`` newest steps."""
+    """Keep the ``n`` newest steps (by step number, never by file time)."""
 
     n: int
 
@@ -73,7 +100,8 @@ class KeepLastN:
         _positive_int(self.n, "keep_last_n", "use None to keep every step")
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
-        return {c.step for c in sorted(checkpoints, key=lambda c: c.step)[-self.n :]}
+        """The ``n`` largest steps."""
+        return set(sorted(c.step for c in checkpoints)[-self.n :])
 
 
 @dataclass(frozen=True)
@@ -86,6 +114,7 @@ class KeepEveryKSteps:
         _positive_int(self.k, "keep_every_k_steps", "use None to turn this rule off")
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        """The steps divisible by ``k``."""
         return {c.step for c in checkpoints if c.step % self.k == 0}
 
 
@@ -95,6 +124,11 @@ class KeepBestN:
 
     A step without the metric cannot be ranked, so deleting it would be a guess; it is kept and
     the manager logs that once. Ties go to the newer step.
+
+    Attributes:
+        n: how many ranked steps to keep.
+        metric: the key of ``save(..., metrics=)`` to rank by.
+        mode: ``"min"`` (lower is better: a loss) or ``"max"`` (higher is better: an accuracy).
     """
 
     n: int
@@ -103,10 +137,14 @@ class KeepBestN:
 
     def __post_init__(self) -> None:
         _positive_int(self.n, "keep_best_n", "use None to turn best-n retention off")
-        if not isinstance(self.metric, str) or not self.metric:
+        if not isinstance(self.metric, str):
+            raise CheckpointTypeError(
+                f"best_metric must be a string, the name of a metric passed to "
+                f"save(metrics=...), got {self.metric!r} ({type(self.metric).__name__})"
+            )
+        if not self.metric:
             raise CheckpointValueError(
-                f"best_metric must be the name of a metric passed to save(metrics=...), "
-                f"got {self.metric!r}"
+                "best_metric must be the name of a metric passed to save(metrics=...), got ''"
             )
         if self.mode not in ("min", "max"):
             raise CheckpointValueError(
@@ -115,12 +153,13 @@ class KeepBestN:
             )
 
     def ranked(self, checkpoints: Sequence[CheckpointInfo]) -> list[CheckpointInfo]:
-        """Checkpoints that carry the metric, best first."""
+        """Checkpoints that carry the metric, best first (ties: newer step first)."""
         sign = 1.0 if self.mode == "min" else -1.0
         with_metric = [c for c in checkpoints if self.metric in c.metrics]
         return sorted(with_metric, key=lambda c: (sign * c.metrics[self.metric], -c.step))
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        """The ``n`` best ranked steps, plus every step without the metric."""
         unranked = {c.step for c in checkpoints if self.metric not in c.metrics}
         return unranked | {c.step for c in self.ranked(checkpoints)[: self.n]}
 
@@ -137,17 +176,19 @@ class KeepTimeInterval:
     seconds: float
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.seconds, bool)
-            or not isinstance(self.seconds, (int, float))
-            or not math.isfinite(self.seconds)
-            or self.seconds <= 0
-        ):
+        if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)):
+            raise CheckpointTypeError(
+                f"keep_time_interval must be a number of seconds (or a datetime.timedelta), got "
+                f"{self.seconds!r} ({type(self.seconds).__name__})"
+            )
+        if not math.isfinite(self.seconds) or self.seconds <= 0:
             raise CheckpointValueError(
-                f"keep_time_interval must be a positive number of seconds, got {self.seconds!r}"
+                f"keep_time_interval must be a positive, finite number of seconds, got "
+                f"{self.seconds!r}; use None to turn this rule off"
             )
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        """The first step, then each step at least ``seconds`` after the last one kept."""
         kept: set[int] = set()
         last: float | None = None
         for c in sorted(checkpoints, key=lambda c: c.step):
@@ -157,34 +198,42 @@ class KeepTimeInterval:
         return kept
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class KeepSteps:
-    """Keep exactly the listed steps (when they exist)."""
+    """Keep exactly the listed steps (when they exist), e.g. the end of each curriculum stage."""
 
     steps: frozenset[int]
 
     def __init__(self, steps: Iterable[int]) -> None:
-        object.__setattr__(self, "steps", frozenset(_steps(steps, "KeepSteps")))
+        object.__setattr__(self, "steps", frozenset(_steps(steps, "KeepSteps(steps)")))
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        """The listed steps that are committed."""
         return {c.step for c in checkpoints if c.step in self.steps}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class AnyOf:
-    """Keep a step when any of ``policies`` keeps it (the union)."""
+    """Keep a step when any of ``policies`` keeps it (the union). Nests freely."""
 
     policies: tuple[RetentionPolicy, ...]
 
     def __init__(self, *policies: RetentionPolicy) -> None:
-        for p in policies:
-            if not isinstance(p, RetentionPolicy):
+        if not policies:
+            raise CheckpointValueError(
+                "AnyOf() needs at least one retention policy; an empty union would keep only the "
+                "latest step. Leave retention=None to keep every step"
+            )
+        for policy in policies:
+            if not isinstance(policy, RetentionPolicy):
                 raise CheckpointTypeError(
-                    f"AnyOf takes retention policies (objects with keep(checkpoints)), got {p!r}"
+                    "AnyOf takes retention policies (objects with keep(checkpoints)), got "
+                    f"{policy!r} ({type(policy).__name__})"
                 )
         object.__setattr__(self, "policies", tuple(policies))
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        """Every step that at least one policy keeps."""
         kept: set[int] = set()
         for policy in self.policies:
             kept |= set(policy.keep(checkpoints))
@@ -196,7 +245,7 @@ class AnyOf:
 
 @dataclass(frozen=True)
 class EveryNSteps:
-    """Save when ``step % n == 0``."""
+    """Save when ``step % n == 0`` (step 0 included; there is no other "initial save" rule)."""
 
     n: int
 
@@ -204,10 +253,11 @@ class EveryNSteps:
         _positive_int(self.n, "save_interval_steps", "use 1 to save every step")
 
     def should_save(self, step: int, *, preempted: bool = False) -> bool:
+        """Whether ``step`` is a multiple of ``n``."""
         return step % self.n == 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class OnSteps:
     """Save on exactly the listed steps."""
 
@@ -217,6 +267,7 @@ class OnSteps:
         object.__setattr__(self, "steps", frozenset(_steps(steps, "save_on_steps")))
 
     def should_save(self, step: int, *, preempted: bool = False) -> bool:
+        """Whether ``step`` is listed."""
         return step in self.steps
 
 
@@ -225,34 +276,49 @@ class OnPreemption:
     """Save on the step at which every rank has agreed that the job is being preempted."""
 
     def should_save(self, step: int, *, preempted: bool = False) -> bool:
+        """Whether the job is being preempted."""
         return preempted
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class AnySavePolicy:
-    """Save when any of ``policies`` says so."""
+    """Save when any of ``policies`` says so. Nests freely."""
 
     policies: tuple[SavePolicy, ...]
 
     def __init__(self, *policies: SavePolicy) -> None:
-        for p in policies:
-            if not isinstance(p, SavePolicy):
+        if not policies:
+            raise CheckpointValueError(
+                "AnySavePolicy() needs at least one save policy; an empty one would never save. "
+                "Leave save_policy=None to save every step"
+            )
+        for policy in policies:
+            if not isinstance(policy, SavePolicy):
                 raise CheckpointTypeError(
-                    f"AnySavePolicy takes save policies (objects with should_save(step)), got {p!r}"
+                    "AnySavePolicy takes save policies (objects with should_save(step, *, "
+                    f"preempted)), got {policy!r} ({type(policy).__name__})"
                 )
         object.__setattr__(self, "policies", tuple(policies))
 
     def should_save(self, step: int, *, preempted: bool = False) -> bool:
+        """Whether at least one policy says so."""
         return any(p.should_save(step, preempted=preempted) for p in self.policies)
+
+
+# ---------------------------------------------------------------------------------------- helpers
 
 
 def _steps(steps: Iterable[int], name: str) -> list[int]:
     if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
-        raise CheckpointTypeError(f"{name} must be an iterable of steps, got {steps!r}")
+        raise CheckpointTypeError(
+            f"{name} must be an iterable of steps, e.g. [1000, 5000], got {steps!r}"
+        )
     out = list(steps)
     bad = [s for s in out if isinstance(s, bool) or not isinstance(s, int) or s < 0]
     if bad:
-        raise CheckpointValueError(f"{name} must hold non-negative int steps, got {bad[:5]}")
+        raise CheckpointValueError(
+            f"{name} must hold non-negative int steps, got {bad[:5]}; pass e.g. [1000, 5000]"
+        )
     return out
 
 

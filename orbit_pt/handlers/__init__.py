@@ -8,15 +8,31 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from orbit_pt.errors import CheckpointTypeError
 from orbit_pt.handlers.base import Handler, HandlerContext
+from orbit_pt.handlers.model import ModelHandler
+from orbit_pt.handlers.optimizer import OptimizerHandler
 from orbit_pt.handlers.state import StateHandler, has_state_dict
 
-__all__ = ["Handler", "HandlerContext", "StateHandler", "default_handler", "handler_by_name"]
+__all__ = [
+    "Handler",
+    "HandlerContext",
+    "ModelHandler",
+    "OptimizerHandler",
+    "StateHandler",
+    "default_handler",
+    "handler_by_name",
+]
 
 
 def default_handler(item: Any, *, item_name: str) -> Handler:
     """The handler orbit_pt uses for ``item`` when none was configured for ``item_name``."""
+    if isinstance(item, torch.nn.Module):
+        return ModelHandler()
+    if isinstance(item, torch.optim.Optimizer):
+        return OptimizerHandler()
     if has_state_dict(item) or isinstance(item, (dict, list, tuple)):
         return StateHandler()
     raise CheckpointTypeError(
@@ -32,4 +48,8 @@ def handler_by_name(name: str) -> Handler | None:
     return factory() if factory is not None else None
 
 
-_BUILTIN: dict[str, type[Any]] = {StateHandler.name: StateHandler}
+_BUILTIN: dict[str, type[Any]] = {
+    ModelHandler.name: ModelHandler,
+    OptimizerHandler.name: OptimizerHandler,
+    StateHandler.name: StateHandler,
+}

@@ -63,3 +63,19 @@ class Handler(Protocol):
         :class:`orbit_pt.StateMismatchError` when the target does not fit what was saved.
         """
         ...
+
+
+@runtime_checkable
+class StagingHandler(Handler, Protocol):
+    """A handler that supports async saves by splitting ``save`` in two.
+
+    ``stage`` runs in the training thread and must copy everything ``save`` will need into host
+    memory -- reusing its buffers from one call to the next, so that memory does not grow --
+    and return that snapshot; the manager then calls ``save(directory, snapshot, context)`` on a
+    background thread, so ``save`` must accept a snapshot in place of the live item. Once
+    ``stage`` returns, the training loop may change the item freely.
+    """
+
+    def stage(self, item: Any, context: HandlerContext) -> Any:
+        """Snapshot ``item`` into host memory; the result is passed to ``save`` later."""
+        ...

@@ -20,7 +20,8 @@ from typing import Any
 import msgpack
 import torch
 
-from orbit_pt._safetensors import SafetensorsReader, write_safetensors
+from orbit_pt._safetensors import DTYPE_TO_NAME, SafetensorsReader, write_safetensors
+from orbit_pt._staging import StagingPool
 from orbit_pt.errors import CheckpointTypeError, CorruptCheckpointError, StateMismatchError
 from orbit_pt.handlers.base import HandlerContext
 
@@ -34,6 +35,7 @@ _EXT_NDARRAY = 3  # payload: like _EXT_TENSOR, restored as a numpy array
 _EXT_DTYPE = 4  # payload: a torch dtype's name, e.g. "float32"
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+_SAFETENSORS_METADATA_KEY = "__metadata__"
 
 
 @dataclass(frozen=True)
@@ -57,11 +59,28 @@ class StateHandler:
 
     name = "state"
 
+    def __init__(self) -> None:
+        self._pool = StagingPool()
+
+    def stage(self, item: Any, context: HandlerContext) -> _Snapshot:
+        """Encode the structure now and copy every tensor into reused host buffers."""
+        structure, tensors = _encode_item(item)
+        self._pool.begin()
+        staged = {name: self._pool.copy(name, t) for name, t in tensors.items()}
+        self._pool.finish()
+        return _Snapshot(structure, staged)
+
     def save(self, directory: Path, item: Any, context: HandlerContext) -> Mapping[str, Any]:
-        state = item.state_dict() if has_state_dict(item) else item
-        tensors: dict[str, torch.Tensor] = {}
-        structure = _encode(state, "", tensors)
-        (directory / STRUCTURE_FILE).write_bytes(msgpack.packb(structure, use_bin_type=True))
+        if isinstance(item, _Snapshot):
+            structure, tensors = item.structure, item.tensors
+        else:
+            structure, tensors = _encode_item(item)
+        if context.world_size > 1:
+            # Each rank keeps its own copy: RNG and data position differ between ranks, and
+            # state that is the same on every rank is recognised as such at restore.
+            directory = directory / rank_dir_name(context.rank)
+            directory.mkdir()
+        (directory / STRUCTURE_FILE).write_bytes(structure)
         write_safetensors(directory / TENSORS_FILE, tensors)
         return {
             "format_version": 1,
@@ -70,6 +89,11 @@ class StateHandler:
         }
 
     def restore(self, directory: Path, target: Any | None, context: HandlerContext) -> Any:
+        if not (directory / STRUCTURE_FILE).exists():
+            rank_dir = _rank_dir_for_restore(directory, target, context)
+            if rank_dir is None:  # the target took every rank's state itself
+                return target
+            directory = rank_dir
         structure = _read_structure(directory / STRUCTURE_FILE)
         reader = SafetensorsReader(directory / TENSORS_FILE)
         _check_refs(structure, reader)
@@ -91,6 +115,65 @@ class StateHandler:
         return _load_into(structure, target, reader)
 
 
+def rank_dir_name(rank: int) -> str:
+    """The folder of one rank's state when the item was saved by several ranks."""
+    return f"rank_{rank:05d}"
+
+
+def _rank_dir_for_restore(directory: Path, target: Any, context: HandlerContext) -> Path | None:
+    """Which rank's saved state this rank restores (None: the target resharded it itself).
+
+    On the world size it was saved with, each rank restores its own. On another world size,
+    state that every rank saved identically (an LR scheduler, a step counter) is restored from
+    rank 0; state that differs between ranks (RNG, data position) is an error, unless the
+    target implements ``load_state_dict_from_ranks(states)`` to reshard it itself.
+    """
+    saved = context.saved_world_size
+    dirs = [directory / rank_dir_name(r) for r in range(saved)]
+    missing = [d for d in dirs if not (d / STRUCTURE_FILE).is_file()]
+    if missing:
+        raise CorruptCheckpointError(
+            f"{directory} should hold the state of {saved} ranks, but {missing[0]} is missing; "
+            "the step is damaged -- restore another step"
+        )
+    if saved == context.world_size:
+        return dirs[context.rank]
+    reshard = getattr(target, "load_state_dict_from_ranks", None)
+    if callable(reshard):
+        reshard([StateHandler().restore(d, None, context) for d in dirs])
+        return None
+    if all(_same_files(dirs[0], d) for d in dirs[1:]):
+        return dirs[0]
+    raise StateMismatchError(
+        f"{directory} holds per-rank state that differs between the {saved} ranks that saved "
+        f"it, so it cannot be restored on {context.world_size} rank(s). Restore it on "
+        f"{saved} ranks, leave this item out of restore(), or give the object a "
+        "load_state_dict_from_ranks(states) method that reshards the list of per-rank states"
+    )
+
+
+def _same_files(a: Path, b: Path) -> bool:
+    return all(
+        (a / name).read_bytes() == (b / name).read_bytes()
+        for name in (STRUCTURE_FILE, TENSORS_FILE)
+    )
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """An item staged for a background save: its msgpack bytes and host copies of its tensors."""
+
+    structure: bytes
+    tensors: dict[str, torch.Tensor]
+
+
+def _encode_item(item: Any) -> tuple[bytes, dict[str, torch.Tensor]]:
+    state = item.state_dict() if has_state_dict(item) else item
+    tensors: dict[str, torch.Tensor] = {}
+    structure = msgpack.packb(_encode(state, "", tensors), use_bin_type=True)
+    return structure, tensors
+
+
 def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         return msgpack.ExtType(_EXT_TENSOR, _add_tensor(path, value, tensors).encode())
@@ -109,6 +192,10 @@ def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
                 raise CheckpointTypeError(
                     f"dict key {key!r} at {path or '<root>'} is a {type(key).__name__}; only str, "
                     "int, float, bool and None keys can be stored -- convert the key"
+                )
+            if isinstance(key, int) and not _INT_MIN <= key <= _INT_MAX:
+                raise CheckpointTypeError(
+                    f"dict key {key} at {path or '<root>'} does not fit in 64 bits; use a str key"
                 )
             out[key] = _encode(sub, _join(path, key), tensors)
         return out
@@ -135,11 +222,12 @@ def _encode_numpy(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> An
         return _encode(value.item(), path, tensors)
     if isinstance(value, np.ndarray):
         try:
-            tensor = torch.from_numpy(np.ascontiguousarray(value))
-        except TypeError as exc:
+            # ascontiguousarray makes a 0-dim array 1-dim; the reshape keeps its shape.
+            tensor = torch.from_numpy(np.ascontiguousarray(value).reshape(value.shape))
+        except (TypeError, ValueError) as exc:  # object dtype, or a non-native byte order
             raise CheckpointTypeError(
-                f"the numpy array at {path or '<root>'} has dtype {value.dtype}, which has no "
-                "tensor equivalent; convert it before saving"
+                f"the numpy array at {path or '<root>'} has dtype {value.dtype!r}, which has no "
+                "tensor equivalent; convert it before saving, e.g. with .astype(...)"
             ) from exc
         return msgpack.ExtType(_EXT_NDARRAY, _add_tensor(path, tensor, tensors).encode())
     raise CheckpointTypeError(
@@ -148,9 +236,16 @@ def _encode_numpy(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> An
 
 
 def _add_tensor(path: str, tensor: torch.Tensor, tensors: dict[str, torch.Tensor]) -> str:
+    if tensor.dtype not in DTYPE_TO_NAME:
+        raise CheckpointTypeError(
+            f"the tensor at {path or '<root>'} has dtype {tensor.dtype}, which safetensors "
+            f"cannot store; convert it first (e.g. torch.view_as_real for complex tensors)"
+        )
     name = path or "<root>"
     suffix = 1
-    while name in tensors:  # keys that join to the same path, e.g. {"a/b": x, "a": {"b": y}}
+    # Keys that join to the same path ({"a/b": x, "a": {"b": y}}) get a suffix, and so does
+    # "__metadata__", the one key a safetensors header reserves for itself.
+    while name in tensors or name == _SAFETENSORS_METADATA_KEY:
         name = f"{path}#{suffix}"
         suffix += 1
     tensors[name] = tensor
@@ -178,7 +273,8 @@ def _read_structure(path: Path) -> Any:
 
     try:
         return msgpack.unpackb(path.read_bytes(), ext_hook=ext_hook, strict_map_key=False)
-    except (OSError, ValueError, msgpack.UnpackException) as exc:
+    # TypeError: garbage that decodes to a map with an unhashable (array) key.
+    except (OSError, ValueError, TypeError, msgpack.UnpackException) as exc:
         raise CorruptCheckpointError(
             f"{path} is missing or not valid msgpack ({exc}); the step holding it is damaged -- "
             "restore another step"
@@ -222,6 +318,10 @@ def _mismatches(
 ) -> list[str]:
     """Every place where the saved state does not fit the live target, as readable lines."""
     where = path or "<root>"
+    if strict_keys and isinstance(target, torch.Tensor) and _kind(saved) != "a tensor":
+        # A live tensor (a parameter, a buffer) is loaded in place or not at all: replacing it
+        # by another value would silently unbind it from whatever else holds it.
+        return [f"{where}: saved {_kind(saved)}, target a tensor"]
     if isinstance(saved, _TensorRef) and isinstance(target, torch.Tensor) and not saved.as_numpy:
         entry = reader.entries[saved.name]
         if tuple(target.shape) != entry.shape or target.dtype != entry.dtype:
@@ -244,13 +344,37 @@ def _mismatches(
                     sub, target[key], reader, _join(path, key), strict_keys=strict_keys
                 )
         return problems
-    if isinstance(saved, list) and isinstance(target, list) and len(saved) == len(target):
+    sequences = (list, tuple)
+    if isinstance(saved, sequences) and isinstance(target, sequences) and len(saved) == len(target):
         return [
             problem
             for i, (s, t) in enumerate(zip(saved, target, strict=True))
             for problem in _mismatches(s, t, reader, _join(path, i), strict_keys=strict_keys)
         ]
+    if strict_keys and _holds_tensor(target):
+        return [f"{where}: saved {_kind(saved)}, target {_kind(target)} holding tensors"]
     return []
+
+
+def _kind(value: Any) -> str:
+    """A short description of a saved or live value, for mismatch messages."""
+    if isinstance(value, _TensorRef):
+        return "a numpy array" if value.as_numpy else "a tensor"
+    if isinstance(value, torch.Tensor):
+        return "a tensor"
+    if isinstance(value, (list, tuple, Mapping)):
+        return f"a {type(value).__name__} of {len(value)} element(s)"
+    return f"a {type(value).__name__}"
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return False
 
 
 def _raise_mismatches(problems: list[str]) -> None:
@@ -282,7 +406,13 @@ def _load_into(saved: Any, target: Any, reader: SafetensorsReader) -> Any:
                 else (_materialize(sub, reader))
             )
         return target
-    if isinstance(saved, list) and isinstance(target, list) and len(saved) == len(target):
-        target[:] = [_load_into(s, t, reader) for s, t in zip(saved, target, strict=True)]
-        return target
+    sequences = (list, tuple)
+    if isinstance(saved, sequences) and isinstance(target, sequences) and len(saved) == len(target):
+        loaded = [_load_into(s, t, reader) for s, t in zip(saved, target, strict=True)]
+        if isinstance(saved, tuple):
+            return tuple(loaded)  # a new tuple, holding the target's own tensors
+        if isinstance(target, list):
+            target[:] = loaded
+            return target
+        return loaded
     return _materialize(saved, reader)

@@ -1,0 +1,94 @@
+"""The control plane under torch.distributed: who is rank 0, and agreeing on decisions.
+
+All control traffic (barriers, broadcasts of the step list, error agreement, the preemption
+flag) goes over a CPU ``gloo`` group of orbit_pt's own, so it works when the model uses NCCL and
+never puts a NCCL collective on a background thread. On one process every method is trivial.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from orbit_pt.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Collective:
+    """Rank, world size and the few collectives the manager needs, over a private gloo group."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.enabled = dist.is_available() and dist.is_initialized()
+        if not self.enabled:
+            self.rank, self.world_size, self.group = 0, 1, None
+            return
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        # new_group is itself collective: every rank constructs its manager at the same point.
+        self.group = group if group is not None else dist.new_group(backend="gloo")
+
+    def new_group(self) -> Any:
+        """A second gloo group (for a background thread, so its traffic never interleaves)."""
+        return dist.new_group(backend="gloo") if self.enabled else None
+
+    @property
+    def is_primary(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier(group=self.group)
+
+    def broadcast(self, value: T) -> T:
+        """Rank 0's ``value`` on every rank (any JSON-able or plain Python object)."""
+        if not self.enabled:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=self._global(0), group=self.group)
+        return box[0]
+
+    def all_gather(self, value: T) -> list[T]:
+        if not self.enabled:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any rank (an all-reduce MAX)."""
+        if not self.enabled:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def run_everywhere(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on every rank; if it raises on any rank, raise on every rank.
+
+        The error on the other ranks names the rank(s) that failed and their message, so a
+        failure is never a hang (a rank stuck in a barrier that its peer never reaches).
+        """
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = fn()
+        except Exception as exc:
+            error = exc
+        failures = self.all_gather(None if error is None else f"{type(error).__name__}: {error}")
+        failed = {rank: message for rank, message in enumerate(failures) if message is not None}
+        if failed:
+            if error is not None:
+                raise error
+            detail = "; ".join(f"rank {rank}: {message}" for rank, message in failed.items())
+            raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}: {detail}")
+        return result  # type: ignore[no-any-return]
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else 0

@@ -1,0 +1,244 @@
+"""The optimizer handler: optimizer state keyed by parameter *name*.
+
+``optimizer.state_dict()`` keys state by the position of each parameter in the optimizer's
+param groups, which changes whenever the model is built, wrapped or grouped differently. This
+handler replaces each position with the parameter's canonical name in the model (the same name
+the model handler saves its weight under), so a checkpoint survives a change in parameter
+order, ``torch.compile`` or activation checkpointing.
+
+On disk (in the item's folder):
+
+- ``optimizer.safetensors``: every state tensor, named ``<parameter name>/<state key>``
+  (``model.layers.0.mlp.weight/exp_avg``); tensors inside param groups (a tensor ``lr``) are
+  named ``param_groups/<i>/<key>``;
+- ``optimizer.msgpack``: ``{"format_version", "state", "param_groups", "param_shapes"}`` in the
+  state handler's encoding, with parameter names in each group's ``params``.
+
+The names come from the model saved or restored alongside the optimizer (see
+:class:`OptimizerHandler`). We do not use ``torch.distributed.checkpoint.state_dict`` here: on an
+optimizer that has not stepped yet, it takes a zero-learning-rate step to create the state, which
+changes the optimizer being saved (Adam's ``step`` becomes 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+
+from orbit_pt._safetensors import SafetensorsReader, write_safetensors
+from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, StateMismatchError
+from orbit_pt.handlers.base import HandlerContext
+from orbit_pt.handlers.model import parameter_names
+from orbit_pt.handlers.state import _check_refs, _encode, _materialize, _read_structure
+
+STRUCTURE_FILE = "optimizer.msgpack"
+TENSORS_FILE = "optimizer.safetensors"
+_FORMAT_VERSION = 1
+_MAX_LISTED = 50
+
+
+class OptimizerHandler:
+    """Default handler for ``torch.optim.Optimizer``.
+
+    The optimizer's parameters are named after the model among the items of the same
+    ``save``/``restore`` call: the only ``nn.Module`` among them, or the item named
+    ``model_item``.
+
+    Args:
+        model_item: the item holding the model whose parameters the optimizer updates. Needed
+            only when the items hold several modules (or the model is not itself an item).
+    """
+
+    name = "optimizer"
+
+    def __init__(self, *, model_item: str | None = None) -> None:
+        if model_item is not None and (not isinstance(model_item, str) or not model_item):
+            raise CheckpointValueError(
+                f"model_item must be the name of an item, got {model_item!r}"
+            )
+        self.model_item = model_item
+
+    def save(self, directory: Path, item: Any, context: HandlerContext) -> Mapping[str, Any]:
+        optimizer = _check_optimizer(item, "save")
+        names = self._names(optimizer, context, "save")
+        saved = optimizer.state_dict()
+        state = {names[index]: value for index, value in saved["state"].items()}
+        groups = [
+            {**group, "params": [names[index] for index in group["params"]]}
+            for group in saved["param_groups"]
+        ]
+        shapes = {
+            name: list(param.shape) for name, param in zip(names, _params(optimizer), strict=True)
+        }
+        tensors: dict[str, torch.Tensor] = {}
+        structure = {
+            "format_version": _FORMAT_VERSION,
+            "state": _encode(state, "", tensors),
+            "param_groups": _encode(groups, "param_groups", tensors),
+            "param_shapes": shapes,
+        }
+        (directory / STRUCTURE_FILE).write_bytes(msgpack.packb(structure, use_bin_type=True))
+        write_safetensors(directory / TENSORS_FILE, tensors)
+        return {
+            "format_version": _FORMAT_VERSION,
+            "optimizer": type(optimizer).__name__,
+            "parameters": len(names),
+            "tensors": len(tensors),
+        }
+
+    def restore(self, directory: Path, target: Any | None, context: HandlerContext) -> Any:
+        structure = _read_structure(directory / STRUCTURE_FILE)
+        reader = SafetensorsReader(directory / TENSORS_FILE)
+        _check_refs(structure, reader)
+        if target is None:
+            return {
+                "state": _materialize(structure["state"], reader),
+                "param_groups": _materialize(structure["param_groups"], reader),
+            }
+        optimizer = _check_optimizer(target, "restore")
+        names = self._names(optimizer, context, "restore")
+        _raise_mismatches(directory, _mismatches(structure, optimizer, names))
+        position = {name: index for index, name in enumerate(names)}
+        start = 0
+        groups = []
+        for saved_group, group in zip(
+            structure["param_groups"], optimizer.param_groups, strict=True
+        ):
+            # Positions in the *current* order: torch pairs saved and current params by them.
+            count = len(group["params"])
+            hyper = {k: v for k, v in saved_group.items() if k != "params"}
+            groups.append(
+                {**_materialize(hyper, reader), "params": list(range(start, start + count))}
+            )
+            start += count
+        state = {
+            position[name]: _materialize(value, reader)
+            for name, value in structure["state"].items()
+        }
+        try:
+            optimizer.load_state_dict({"state": state, "param_groups": groups})
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            raise StateMismatchError(
+                f"{type(optimizer).__name__}.load_state_dict rejected the state saved in "
+                f"{directory}: {exc}"
+            ) from exc
+        return optimizer
+
+    def _names(
+        self, optimizer: torch.optim.Optimizer, context: HandlerContext, action: str
+    ) -> list[str]:
+        """The canonical name of every optimizer parameter, in param-group order."""
+        model = self._model(context, action)
+        by_id = parameter_names(model)
+        names: list[str] = []
+        unknown: list[str] = []
+        for group_index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:
+                name = by_id.get(id(param))
+                if name is None:
+                    unknown.append(f"group {group_index}: {list(param.shape)}")
+                else:
+                    names.append(name)
+        if unknown:
+            raise CheckpointValueError(
+                f"the optimizer updates {len(unknown)} parameter(s) that are not parameters of "
+                f"the model it was paired with (shapes {unknown[:5]}); build the optimizer from "
+                "that model's parameters, or pass OptimizerHandler(model_item=...) naming the "
+                "model item that owns them"
+            )
+        if len(set(names)) != len(names):
+            raise CheckpointValueError(
+                "the optimizer lists the same parameter twice across its param groups; "
+                "each parameter must be in exactly one group"
+            )
+        return names
+
+    def _model(self, context: HandlerContext, action: str) -> torch.nn.Module:
+        items = context.items
+        if self.model_item is not None:
+            if self.model_item not in items:
+                raise CheckpointValueError(
+                    f"OptimizerHandler(model_item={self.model_item!r}) but the items to {action} "
+                    f"are {sorted(items)}; include the model under that name"
+                )
+            model = items[self.model_item]
+            if not isinstance(model, torch.nn.Module):
+                raise CheckpointTypeError(
+                    f"OptimizerHandler needs item {self.model_item!r} as a live torch.nn.Module "
+                    f"to name the optimizer's parameters, got {type(model).__name__}; pass the "
+                    f"model object in the items of {action}()"
+                )
+            return model
+        modules = [name for name, value in items.items() if isinstance(value, torch.nn.Module)]
+        if len(modules) == 1:
+            return items[modules[0]]  # type: ignore[no-any-return]
+        found = f"several ({modules})" if modules else "none"
+        raise CheckpointValueError(
+            f"the optimizer handler names optimizer state after the model's parameters, so the "
+            f"items to {action} must hold exactly one torch.nn.Module; they hold {found}. Pass "
+            "the model alongside the optimizer (e.g. {'model': model, 'optimizer': opt}), or "
+            "configure CheckpointManager(..., handlers={'optimizer': "
+            "OptimizerHandler(model_item='model')})"
+        )
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def _check_optimizer(item: Any, action: str) -> torch.optim.Optimizer:
+    if not isinstance(item, torch.optim.Optimizer):
+        raise CheckpointTypeError(
+            f"OptimizerHandler can only {action} a torch.optim.Optimizer, got {type(item).__name__}"
+        )
+    return item
+
+
+def _mismatches(
+    structure: Mapping[str, Any], optimizer: torch.optim.Optimizer, names: list[str]
+) -> list[str]:
+    """Every way the saved state does not fit the live optimizer, as readable lines."""
+    saved_groups = structure["param_groups"]
+    problems: list[str] = []
+    if len(saved_groups) != len(optimizer.param_groups):
+        return [
+            f"the checkpoint has {len(saved_groups)} param group(s), the optimizer "
+            f"{len(optimizer.param_groups)}; build the optimizer with the same groups"
+        ]
+    start = 0
+    for index, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups, strict=True)):
+        current = names[start : start + len(group["params"])]
+        start += len(group["params"])
+        saved_names = list(saved["params"])
+        problems += [
+            f"group {index}: {n} is in the checkpoint but not in the optimizer"
+            for n in saved_names
+            if n not in current
+        ]
+        problems += [
+            f"group {index}: {n} is in the optimizer but not in the checkpoint"
+            for n in current
+            if n not in saved_names
+        ]
+    shapes = structure.get("param_shapes", {})
+    for name, param in zip(names, _params(optimizer), strict=True):
+        if name in shapes and list(param.shape) != list(shapes[name]):
+            problems.append(
+                f"{name}: saved for shape {list(shapes[name])}, the parameter is "
+                f"{list(param.shape)}"
+            )
+    return problems
+
+
+def _raise_mismatches(directory: Path, problems: list[str]) -> None:
+    if problems:
+        shown = "\n  ".join(problems[:_MAX_LISTED])
+        more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > 50 else ""
+        raise StateMismatchError(
+            f"the optimizer state saved in {directory} does not fit the optimizer being "
+            f"restored ({len(problems)} problem(s)); nothing was loaded:\n  {shown}{more}"
+        )

@@ -1,0 +1,202 @@
+"""The state of a training loop beyond model and optimizer: counters, RNG and stateful helpers.
+
+Both classes are ordinary stateful objects (``state_dict()``/``load_state_dict()``), so they are
+saved by the state handler like any other item -- no handler of their own::
+
+    recipe = RecipeState(step=0, epoch=0, rng=RNGState(), dataloader=loader, scheduler=sched)
+    mgr.save(step, {"model": model, "optimizer": opt, "recipe": recipe})
+    ...
+    mgr.restore(None, {"model": model, "optimizer": opt, "recipe": recipe})
+    start = recipe.step + 1
+
+RNG and dataloader positions differ per rank; save them per rank (one item per rank, or a
+per-rank handler) when training on several processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, StateMismatchError
+
+logger = logging.getLogger(__name__)
+
+
+class RNGState:
+    """The global random number generators of this process, as a stateful object.
+
+    ``state_dict()`` captures python's ``random``, numpy's global generator (when numpy is
+    installed), torch's CPU generator and, when CUDA is available, the generator of every CUDA
+    device. ``load_state_dict()`` puts them back, so the random numbers drawn after a restore are
+    the ones the interrupted run would have drawn.
+
+    The object holds nothing itself: the state is read from and written to the global
+    generators at the moment of each call.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """The current state of every global generator."""
+        state: dict[str, Any] = {
+            "python": random.getstate(),
+            "torch": torch.get_rng_state(),
+        }
+        numpy = _numpy()
+        if numpy is not None:
+            state["numpy"] = numpy.random.get_state(legacy=False)
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the generators from ``state`` (as returned by :meth:`state_dict`).
+
+        A generator captured on a machine that had it but missing here (numpy, CUDA) is skipped
+        with a warning; a generator missing from ``state`` is left as it is, with a warning.
+        """
+        if not isinstance(state, Mapping):
+            raise CheckpointTypeError(
+                f"RNGState.load_state_dict needs a mapping, got {type(state).__name__}"
+            )
+        try:
+            random.setstate(_as_python_state(state["python"]))
+            torch.set_rng_state(state["torch"])
+        except KeyError as exc:
+            raise StateMismatchError(
+                f"the saved RNG state lacks the {exc.args[0]!r} generator; it was not written "
+                "by RNGState.state_dict()"
+            ) from None
+        self._load_numpy(state.get("numpy"))
+        self._load_cuda(state.get("cuda"))
+
+    @staticmethod
+    def _load_numpy(saved: Any) -> None:
+        numpy = _numpy()
+        if saved is None:
+            if numpy is not None:
+                logger.warning("the saved RNG state has no numpy state; numpy's RNG is unchanged")
+            return
+        if numpy is None:
+            logger.warning("the saved RNG state includes numpy, which is not installed; skipped")
+            return
+        numpy.random.set_state(saved)
+
+    @staticmethod
+    def _load_cuda(saved: Any) -> None:
+        available = torch.cuda.is_available()
+        if saved is None:
+            if available:
+                logger.warning("the saved RNG state has no CUDA state; CUDA RNGs are unchanged")
+            return
+        if not available:
+            logger.warning(
+                "the saved RNG state includes %d CUDA generator(s) but CUDA is not available; "
+                "they were not restored",
+                len(saved),
+            )
+            return
+        count = torch.cuda.device_count()
+        if len(saved) != count:
+            logger.warning(
+                "the saved RNG state has %d CUDA generator(s), this process sees %d devices; "
+                "restoring the first %d",
+                len(saved),
+                count,
+                min(len(saved), count),
+            )
+        for device, tensor in enumerate(list(saved)[:count]):
+            torch.cuda.set_rng_state(tensor, device)
+
+
+class RecipeState:
+    """Step, epoch and any other fields of a training loop, saved and restored as one item.
+
+    Fields are attributes. A field whose value has ``state_dict()``/``load_state_dict()`` (an
+    :class:`RNGState`, a ``StatefulDataLoader``, an LR scheduler) is saved through them and
+    restored in place; any other value (numbers, strings, lists, dicts, tensors) is saved as it
+    is and replaced on restore.
+
+    Args:
+        step: the last completed training step.
+        epoch: the current epoch.
+        **fields: any other fields.
+
+    Example::
+
+        recipe = RecipeState(step=0, epoch=0, rng=RNGState(), dataloader=loader)
+        recipe.step = step  # before each save
+    """
+
+    def __init__(self, *, step: int = 0, epoch: int = 0, **fields: Any) -> None:
+        self.step = step
+        self.epoch = epoch
+        for name, value in fields.items():
+            if name.startswith("_"):
+                raise CheckpointValueError(
+                    f"RecipeState field names cannot start with '_', got {name!r}"
+                )
+            setattr(self, name, value)
+
+    def fields(self) -> dict[str, Any]:
+        """Every field by name, ``step`` and ``epoch`` first."""
+        return {name: value for name, value in vars(self).items() if not name.startswith("_")}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain fields as they are, stateful fields as their ``state_dict()``."""
+        return {
+            name: value.state_dict() if _is_stateful(value) else value
+            for name, value in self.fields().items()
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore every saved field: stateful ones in place, plain ones by assignment.
+
+        Raises:
+            StateMismatchError: a stateful field of this object was not saved, or the object
+                rejected its saved state. Fields saved but absent here are added.
+        """
+        if not isinstance(state, Mapping):
+            raise CheckpointTypeError(
+                f"RecipeState.load_state_dict needs a mapping, got {type(state).__name__}"
+            )
+        current = self.fields()
+        missing = [n for n, v in current.items() if _is_stateful(v) and n not in state]
+        if missing:
+            raise StateMismatchError(
+                f"the saved recipe state has no field(s) {missing}; it holds {sorted(state)}. "
+                "Build the RecipeState with the fields it was saved with"
+            )
+        for name, value in state.items():
+            live = current.get(name)
+            if live is not None and _is_stateful(live):
+                live.load_state_dict(value)
+            else:
+                setattr(self, str(name), value)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.fields().items())
+        return f"RecipeState({shown})"
+
+
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    )
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
+def _as_python_state(saved: Any) -> tuple[Any, ...]:
+    # random.setstate insists on tuples; a state that went through lists is converted back.
+    version, internal, gauss = saved
+    return (version, tuple(internal), gauss)
