@@ -78,7 +78,8 @@ def tensor_bits(t: torch.Tensor) -> bytes:
     """The raw bytes of ``t`` in row-major order (bitwise: NaN payloads and -0.0 count)."""
     if t.numel() == 0:
         return b""
-    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    dense = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())  # standard strides
+    return bytes(dense.reshape(-1).view(torch.uint8).numpy())
 
 
 def assert_same(restored: Any, expected: Any, path: str = "<root>") -> None:

@@ -508,6 +508,13 @@ def open_model_folder(directory: Path) -> dict[str, SafetensorsReader]:
         reader = SafetensorsReader(single_path)
         return dict.fromkeys(reader.entries, reader)
     weight_map = _read_index(index_path)
+    unreferenced = sorted(
+        p.name
+        for p in directory.iterdir()
+        if _SHARD_NAME.fullmatch(p.name) and p.name not in weight_map.values()
+    )
+    if unreferenced:
+        raise _bad_index(index_path, f"it places no tensor in {unreferenced}")
     readers: dict[str, SafetensorsReader] = {}
     for filename in sorted(set(weight_map.values())):
         if not (directory / filename).is_file():

@@ -1,0 +1,227 @@
+"""The optimizer handler: state keyed by parameter name, pairing with the model, bad input."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import msgpack
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+from orbit_pt import CheckpointManager, CheckpointTypeError, CheckpointValueError
+from orbit_pt import StateMismatchError
+from orbit_pt.handlers import HandlerContext, OptimizerHandler, default_handler
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+OPTIMIZERS: dict[str, OptimizerFactory] = {
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+}
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 6, tied: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, width)
+        self.mlp = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+        self.head = nn.Linear(width, 10, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mlp(self.embed(x)))  # type: ignore[no-any-return]
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, 10, (4,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), x)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _same_params(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def _copy(model: Net, width: int = 6, tied: bool = False) -> Net:
+    other = Net(width, tied)
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_round_trip_continues_identically(tmp_path: Path, kind: str) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = OPTIMIZERS[kind](list(model.parameters()))
+    _train(model, opt, 3, seed=1)
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(3, {"model": model, "optimizer": opt}, force=True)
+        model2 = Net()
+        opt2 = OPTIMIZERS[kind](list(model2.parameters()))
+        mgr.restore(3, {"model": model2, "optimizer": opt2})
+    _train(model, opt, 2, seed=2)
+    _train(model2, opt2, 2, seed=2)
+    assert _same_params(model, model2)
+
+
+def test_on_disk_keys_are_parameter_names(tmp_path: Path) -> None:
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters())
+    _train(model, opt, 1, seed=0)
+    OptimizerHandler().save(tmp_path, opt, HandlerContext(step=1, items={"m": model, "o": opt}))
+    keys = set(safetensors.torch.load_file(tmp_path / "optimizer.safetensors"))
+    assert "mlp.0.weight/exp_avg" in keys
+    assert "mlp.0.weight/step" in keys
+    structure = msgpack.unpackb((tmp_path / "optimizer.msgpack").read_bytes(), raw=False)
+    assert structure["param_groups"][0]["params"][:2] == ["embed.weight", "mlp.0.weight"]
+    plain = OptimizerHandler().restore(tmp_path, None, HandlerContext(step=1))
+    assert set(plain["state"]) == {name for name, _ in model.named_parameters()}
+    assert plain["param_groups"][0]["betas"] == (0.9, 0.999)
+
+
+def test_survives_reordering_compile_and_activation_checkpointing(tmp_path: Path) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    model = Net()
+    decay = [model.mlp[0].weight, model.mlp[2].weight]
+    rest = [p for p in model.parameters() if all(p is not d for d in decay)]
+    opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}])
+    _train(model, opt, 3, seed=1)
+    items = {"model": model, "optimizer": opt}
+    OptimizerHandler().save(tmp_path, opt, HandlerContext(step=3, items=items))
+
+    inner = _copy(model)
+    inner.mlp = checkpoint_wrapper(inner.mlp)  # type: ignore[assignment]
+    wrapped = torch.compile(inner)
+    seq = inner.mlp._checkpoint_wrapped_module
+    decay2 = [seq[2].weight, seq[0].weight]  # type: ignore[index]
+    rest2 = [p for p in reversed(list(inner.parameters())) if all(p is not d for d in decay2)]
+    opt2 = torch.optim.AdamW([{"params": decay2}, {"params": rest2, "weight_decay": 0.0}])
+    OptimizerHandler().restore(
+        tmp_path, opt2, HandlerContext(step=3, items={"model": wrapped, "optimizer": opt2})
+    )
+    _train(model, opt, 2, seed=2)
+    _train(inner, opt2, 2, seed=2)
+    assert _same_params(model, inner)
+
+
+def test_tied_parameters_use_the_models_kept_name(tmp_path: Path) -> None:
+    model = Net(tied=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, opt, 1, seed=0)
+    OptimizerHandler().save(tmp_path, opt, HandlerContext(step=1, items={"model": model}))
+    keys = set(safetensors.torch.load_file(tmp_path / "optimizer.safetensors"))
+    assert "embed.weight/momentum_buffer" in keys
+    assert not any(k.startswith("head.weight") for k in keys)
+
+
+def test_an_optimizer_that_never_stepped(tmp_path: Path) -> None:
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(0, {"model": model, "optimizer": opt}, force=True)
+        assert opt.state_dict()["state"] == {}  # saving did not create state
+        model2 = _copy(model)
+        opt2 = torch.optim.Adam(model2.parameters(), lr=0.1)
+        mgr.restore(0, {"model": model2, "optimizer": opt2})
+    assert opt2.param_groups[0]["lr"] == 0.5
+    assert opt2.state_dict()["state"] == {}
+
+
+def test_default_handler_for_optimizers() -> None:
+    opt = torch.optim.SGD(Net().parameters(), lr=0.1)
+    assert isinstance(default_handler(opt, item_name="optimizer"), OptimizerHandler)
+
+
+# ------------------------------------------------------------------------------ finding the model
+
+
+def test_no_model_among_the_items_is_a_clear_error(tmp_path: Path) -> None:
+    opt = torch.optim.SGD(Net().parameters(), lr=0.1)
+    with (
+        CheckpointManager(tmp_path / "ckpt") as mgr,
+        pytest.raises(Exception, match="exactly one torch.nn.Module; they hold none"),
+    ):
+        mgr.save(1, {"optimizer": opt}, force=True)
+
+
+def test_several_models_need_model_item(tmp_path: Path) -> None:
+    model, teacher = Net(), Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, opt, 1, seed=0)
+    items = {"model": model, "teacher": teacher, "optimizer": opt}
+    with CheckpointManager(tmp_path / "a") as mgr, pytest.raises(Exception, match="model_item"):
+        mgr.save(1, items, force=True)
+    handlers = {"optimizer": OptimizerHandler(model_item="model")}
+    with CheckpointManager(tmp_path / "b", handlers=handlers) as mgr:
+        mgr.save(1, items, force=True)
+        model2 = _copy(model)
+        opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+        mgr.restore(1, {"model": model2, "teacher": Net(), "optimizer": opt2})
+    _train(model, opt, 1, seed=1)
+    _train(model2, opt2, 1, seed=1)
+    assert _same_params(model, model2)
+
+
+def test_model_item_must_be_present_and_a_module() -> None:
+    opt = torch.optim.SGD(Net().parameters(), lr=0.1)
+    handler = OptimizerHandler(model_item="model")
+    with pytest.raises(CheckpointValueError, match=r"model_item='model'.*\['optimizer'\]"):
+        handler.save(Path("/nonexistent"), opt, HandlerContext(step=0, items={"optimizer": opt}))
+    with pytest.raises(CheckpointTypeError, match="live torch.nn.Module"):
+        handler.save(Path("/nonexistent"), opt, HandlerContext(step=0, items={"model": None}))
+
+
+def test_parameters_outside_the_model_are_refused() -> None:
+    model = Net()
+    stray = nn.Parameter(torch.zeros(3, 2))
+    opt = torch.optim.SGD([*model.parameters(), stray], lr=0.1)
+    with pytest.raises(CheckpointValueError, match=r"1 parameter\(s\) that are not.*\[3, 2\]"):
+        OptimizerHandler().save(Path("/nonexistent"), opt, HandlerContext(0, {"model": model}))
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+
+def test_shape_and_membership_mismatches_are_listed(tmp_path: Path) -> None:
+    model = Net()
+    opt = torch.optim.Adam(model.parameters())
+    _train(model, opt, 1, seed=0)
+    OptimizerHandler().save(tmp_path, opt, HandlerContext(1, {"model": model}))
+    other = Net(width=4)
+    other.extra = nn.Linear(2, 2)
+    opt2 = torch.optim.Adam(other.parameters())
+    before = opt2.state_dict()
+    with pytest.raises(StateMismatchError) as info:
+        OptimizerHandler().restore(tmp_path, opt2, HandlerContext(1, {"model": other}))
+    message = str(info.value)
+    assert "mlp.0.weight: saved for shape [6, 6], the parameter is [4, 4]" in message
+    assert "extra.weight is in the optimizer but not in the checkpoint" in message
+    assert opt2.state_dict() == before
+
+
+def test_group_count_mismatch(tmp_path: Path) -> None:
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    OptimizerHandler().save(tmp_path, opt, HandlerContext(1, {"model": model}))
+    params = list(model.parameters())
+    opt2 = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:]}], lr=0.1)
+    with pytest.raises(StateMismatchError, match="1 param group"):
+        OptimizerHandler().restore(tmp_path, opt2, HandlerContext(1, {"model": model}))
+
+
+def test_handler_rejects_non_optimizers() -> None:
+    with pytest.raises(CheckpointTypeError, match="torch.optim.Optimizer"):
+        OptimizerHandler().save(Path("/nonexistent"), {"a": 1}, HandlerContext(0))
