@@ -9,6 +9,7 @@ readable; so a crash at any instant leaves either the old set of steps or the ne
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -53,6 +54,9 @@ class StepStore:
         self._lock: filelock.BaseFileLock | None = None
         self._mutex = threading.Lock()  # the background commit thread updates the view too
         self._committed: dict[int, StepMetadata] = {}
+        # step -> identity of the metadata file it was read from, so that a rescan re-reads a
+        # step that another process replaced (a rollback) and no other.
+        self._seen: dict[int, tuple[int, int, int] | None] = {}
         if not read_only:
             self.dist.run_everywhere(f"opening {root}", lambda: self._open_writer(lock_timeout))
         self.rescan()
@@ -76,8 +80,9 @@ class StepStore:
     # ------------------------------------------------------------------------------- discovery
 
     def rescan(self) -> None:
-        """Re-read which steps are committed. Metadata of steps already known is not re-read."""
+        """Re-read which steps are committed; metadata is re-read only where its file changed."""
         found: dict[int, StepMetadata] = {}
+        seen: dict[int, tuple[int, int, int] | None] = {}
         try:
             entries = list(os.scandir(self.root))
         except FileNotFoundError:
@@ -86,15 +91,17 @@ class StepStore:
             step = _layout.parse_step_name(entry.name)
             if step is None or not entry.is_dir(follow_symlinks=False):
                 continue
+            signature = _identity(Path(entry.path) / _layout.METADATA_FILE)
             known = self._committed.get(step)
-            if known is not None:
-                found[step] = known
+            if known is not None and signature is not None and self._seen.get(step) == signature:
+                found[step], seen[step] = known, signature
                 continue
             meta = self._read_committed(Path(entry.path), step)
             if meta is not None:
-                found[step] = meta
+                found[step], seen[step] = meta, signature
         with self._mutex:
             self._committed = dict(sorted(found.items()))
+            self._seen = seen
 
     def _read_committed(self, path: Path, step: int) -> StepMetadata | None:
         meta_path = path / _layout.METADATA_FILE
@@ -181,6 +188,8 @@ class StepStore:
                 f"committing step {step}",
                 lambda: self._finalize(step, tmp, written, build_metadata),
             )
+        except StepAlreadyExistsError:
+            raise  # nothing was written; the user must move the folder out of the way
         except Exception as exc:
             if dist.is_primary:
                 _fs.remove_tree(tmp)
@@ -254,6 +263,11 @@ class StepStore:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
         for victim in victims:
             destination = folder / f"{_layout.step_name(victim)}.{stamp}"
+            # A coarse clock can repeat a stamp; renaming onto an existing folder would fail.
+            for n in itertools.count(1):
+                if not os.path.lexists(destination):
+                    break
+                destination = folder / f"{_layout.step_name(victim)}.{stamp}.{n}"
             os.replace(self.step_path(victim), destination)
         _fs.fsync_path(folder)
         _fs.fsync_path(self.root)
@@ -313,3 +327,12 @@ class StepStore:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """The inode, size and modification time of ``path``, or None when it cannot be stat'ed."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns

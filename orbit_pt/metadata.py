@@ -104,7 +104,8 @@ class StepMetadata:
                 },
                 orbit_pt_version=str(doc.get("orbit_pt_version", "")),
             )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        # RecursionError: JSON nested deeper than the parser goes (garbage, or an attack).
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise CorruptCheckpointError(
                 f"checkpoint metadata {path} is unreadable ({exc}); the step it belongs to "
                 "cannot be trusted -- restore another step, or move the folder away"

@@ -155,6 +155,11 @@ class RecipeState:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore every saved field: stateful ones in place, plain ones by assignment.
 
+        :class:`RNGState` fields are restored last, after every other field has been loaded
+        and asked for its ``state_dict()`` once (so that lazy set-up, such as the resumed
+        iterator of a ``StatefulDataLoader``, draws its random numbers before the generators
+        are put back).
+
         Raises:
             StateMismatchError: a stateful field of this object was not saved, or the object
                 rejected its saved state. Fields saved but absent here are added.
@@ -170,12 +175,33 @@ class RecipeState:
                 f"the saved recipe state has no field(s) {missing}; it holds {sorted(state)}. "
                 "Build the RecipeState with the fields it was saved with"
             )
+        rngs = []
         for name, value in state.items():
             live = current.get(name)
-            if live is not None and _is_stateful(live):
+            if isinstance(live, RNGState):
+                rngs.append((live, value))
+            elif live is not None and _is_stateful(live):
                 live.load_state_dict(value)
             else:
                 setattr(self, str(name), value)
+        if rngs:
+            # Objects may draw random numbers lazily after a load: a StatefulDataLoader builds
+            # its resumed iterator on first use, drawing a seed from torch's global generator
+            # -- a draw the interrupted run never made. state_dict() makes them build now, and
+            # the generators are restored after that, so the streams continue exactly where the
+            # interrupted run left them.
+            for name in state:
+                live = current.get(name)
+                if live is not None and not isinstance(live, RNGState) and _is_stateful(live):
+                    live.state_dict()
+            for rng, value in rngs:
+                rng.load_state_dict(value)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes that do not exist; typed Any so that user fields type-check.
+        raise AttributeError(
+            f"RecipeState has no field {name!r}; its fields are {sorted(self.fields())}"
+        )
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v!r}" for k, v in self.fields().items())

@@ -54,13 +54,13 @@ def arm(point: str, nth: int) -> None:
     def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
         # The store also clears a stale *.orbit-deleting folder before renaming (a no-op here):
         # only the removal of a folder that exists counts.
-        if point == "mid-rmtree" and str(path).endswith(DELETING) and Path(path).is_dir():
-            if seen == nth:
-                real_rmtree(Path(path) / "x")
-                os._exit(CRASH_EXIT)
+        doomed = point == "mid-rmtree" and str(path).endswith(DELETING) and Path(path).is_dir()
+        if doomed and seen == nth:
+            real_rmtree(Path(path) / "x")
+            os._exit(CRASH_EXIT)
         real_rmtree(path, *args, **kwargs)
 
-    os.replace = replace  # type: ignore[assignment]
+    os.replace = replace
     shutil.rmtree = rmtree  # type: ignore[assignment]
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -11,8 +13,12 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from orbit_pt import CheckpointManager, CheckpointTypeError, CheckpointValueError
-from orbit_pt import StateMismatchError
+from orbit_pt import (
+    CheckpointManager,
+    CheckpointTypeError,
+    CheckpointValueError,
+    StateMismatchError,
+)
 from orbit_pt.handlers import HandlerContext, OptimizerHandler, default_handler
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -50,7 +56,8 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) 
 
 
 def _same_params(a: nn.Module, b: nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def _copy(model: Net, width: int = 6, tied: bool = False) -> Net:
@@ -95,9 +102,10 @@ def test_survives_reordering_compile_and_activation_checkpointing(tmp_path: Path
 
     torch.manual_seed(0)
     model = Net()
-    decay = [model.mlp[0].weight, model.mlp[2].weight]
-    rest = [p for p in model.parameters() if all(p is not d for d in decay)]
-    opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}])
+    decay: list[torch.Tensor] = [model.mlp[0].weight, model.mlp[2].weight]  # type: ignore[list-item]
+    rest: list[torch.Tensor] = [p for p in model.parameters() if all(p is not d for d in decay)]
+    groups: list[dict[str, Any]] = [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups)
     _train(model, opt, 3, seed=1)
     items = {"model": model, "optimizer": opt}
     OptimizerHandler().save(tmp_path, opt, HandlerContext(step=3, items=items))
@@ -106,9 +114,12 @@ def test_survives_reordering_compile_and_activation_checkpointing(tmp_path: Path
     inner.mlp = checkpoint_wrapper(inner.mlp)  # type: ignore[assignment]
     wrapped = torch.compile(inner)
     seq = inner.mlp._checkpoint_wrapped_module
-    decay2 = [seq[2].weight, seq[0].weight]  # type: ignore[index]
-    rest2 = [p for p in reversed(list(inner.parameters())) if all(p is not d for d in decay2)]
-    opt2 = torch.optim.AdamW([{"params": decay2}, {"params": rest2, "weight_decay": 0.0}])
+    decay2: list[torch.Tensor] = [seq[2].weight, seq[0].weight]  # type: ignore[index,union-attr]
+    rest2: list[torch.Tensor] = [
+        p for p in reversed(list(inner.parameters())) if all(p is not d for d in decay2)
+    ]
+    groups2: list[dict[str, Any]] = [{"params": decay2}, {"params": rest2, "weight_decay": 0}]
+    opt2 = torch.optim.AdamW(groups2)
     OptimizerHandler().restore(
         tmp_path, opt2, HandlerContext(step=3, items={"model": wrapped, "optimizer": opt2})
     )
@@ -152,7 +163,7 @@ def test_no_model_among_the_items_is_a_clear_error(tmp_path: Path) -> None:
     opt = torch.optim.SGD(Net().parameters(), lr=0.1)
     with (
         CheckpointManager(tmp_path / "ckpt") as mgr,
-        pytest.raises(Exception, match="exactly one torch.nn.Module; they hold none"),
+        pytest.raises(Exception, match=r"exactly one torch\.nn\.Module; they hold none"),
     ):
         mgr.save(1, {"optimizer": opt}, force=True)
 
@@ -180,7 +191,7 @@ def test_model_item_must_be_present_and_a_module() -> None:
     handler = OptimizerHandler(model_item="model")
     with pytest.raises(CheckpointValueError, match=r"model_item='model'.*\['optimizer'\]"):
         handler.save(Path("/nonexistent"), opt, HandlerContext(step=0, items={"optimizer": opt}))
-    with pytest.raises(CheckpointTypeError, match="live torch.nn.Module"):
+    with pytest.raises(CheckpointTypeError, match=r"live torch\.nn\.Module"):
         handler.save(Path("/nonexistent"), opt, HandlerContext(step=0, items={"model": None}))
 
 
@@ -223,5 +234,34 @@ def test_group_count_mismatch(tmp_path: Path) -> None:
 
 
 def test_handler_rejects_non_optimizers() -> None:
-    with pytest.raises(CheckpointTypeError, match="torch.optim.Optimizer"):
+    with pytest.raises(CheckpointTypeError, match=r"torch\.optim\.Optimizer"):
         OptimizerHandler().save(Path("/nonexistent"), {"a": 1}, HandlerContext(0))
+
+
+def test_async_save_stages_model_and_optimizer(tmp_path: Path) -> None:
+    from orbit_pt import CheckpointManagerOptions
+    from orbit_pt.handlers import ModelHandler
+    from orbit_pt.handlers.base import StagingHandler
+
+    assert isinstance(ModelHandler(), StagingHandler)
+    assert isinstance(OptimizerHandler(), StagingHandler)
+    torch.manual_seed(0)
+    model = Net(tied=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _train(model, opt, 2, seed=1)
+    expected_model = _copy(model, tied=True)
+    expected_opt = torch.optim.AdamW(expected_model.parameters(), lr=0.01)
+    expected_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    options = CheckpointManagerOptions(async_save=True)
+    with CheckpointManager(tmp_path / "ckpt", options=options) as mgr:
+        for step in (2, 3):
+            mgr.save(step, {"model": model, "optimizer": opt}, force=True)
+            _train(model, opt, 1, seed=step)  # changes the live objects while the write runs
+        mgr.wait_until_finished()
+        restored = Net(tied=True)
+        restored_opt = torch.optim.AdamW(restored.parameters(), lr=0.01)
+        mgr.restore(2, {"model": restored, "optimizer": restored_opt})
+    assert _same_params(restored, expected_model)
+    _train(restored, restored_opt, 1, seed=9)
+    _train(expected_model, expected_opt, 1, seed=9)
+    assert _same_params(restored, expected_model)

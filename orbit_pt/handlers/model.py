@@ -37,6 +37,7 @@ from orbit_pt._safetensors import (
     tensor_bytes,
     write_range,
 )
+from orbit_pt._staging import StagingPool
 from orbit_pt.errors import (
     CheckpointTypeError,
     CheckpointValueError,
@@ -285,6 +286,15 @@ def _numel(shape: Iterable[int]) -> int:
 # --------------------------------------------------------------------------------- the handler
 
 
+@dataclass(frozen=True)
+class _StagedModel:
+    """What a save writes: tensors by saved name, tied name -> kept name, JSON files by name."""
+
+    tensors: dict[str, torch.Tensor]
+    tied: dict[str, str]
+    documents: dict[str, Any]
+
+
 class ModelHandler:
     """Default handler for ``torch.nn.Module``: a Hugging Face model folder.
 
@@ -299,6 +309,9 @@ class ModelHandler:
             ``{file name: bytes or path to copy}``.
         strict: on restore, whether every key of the module must be in the checkpoint and
             every tensor of the checkpoint in the module. Shapes must match either way.
+
+    With ``async_save``, :meth:`stage` copies the weights into host buffers that are reused from
+    one save to the next, and :meth:`save` writes that copy on the background thread.
     """
 
     name = "model"
@@ -332,20 +345,23 @@ class ModelHandler:
         for filename in self.extra_files:
             _check_extra_name(filename)
         self.strict = strict
+        self._pool = StagingPool()
 
     # ------------------------------------------------------------------------------------ save
 
+    def stage(self, item: Any, context: HandlerContext) -> _StagedModel:
+        """Copy the weights into reused host buffers, for a save on a background thread."""
+        staged = self._collect(_check_module(item, "save"))
+        self._pool.begin()
+        tensors = {name: self._pool.copy(name, t) for name, t in staged.tensors.items()}
+        self._pool.finish()
+        return _StagedModel(tensors, staged.tied, staged.documents)
+
     def save(self, directory: Path, item: Any, context: HandlerContext) -> Mapping[str, Any]:
-        module = _check_module(item, "save")
-        state = canonical_state(module)
-        tensors: dict[str, torch.Tensor] = {}
-        tied: dict[str, str] = {}
-        for group in tie_groups(state):
-            keep = kept_name(group, module)
-            tensors[keep] = state[keep]
-            tied.update({name: keep for name in group if name != keep})
-        for name, tensor in tensors.items():
-            _check_savable(name, tensor)
+        staged = (
+            item if isinstance(item, _StagedModel) else self._collect(_check_module(item, "save"))
+        )
+        tensors = staged.tensors
         plan = plan_files(
             [(n, self._file_dtype(t), tuple(t.shape)) for n, t in tensors.items()],
             max_shard_size=self.max_shard_size,
@@ -355,7 +371,8 @@ class ModelHandler:
         index = plan.index()
         if index is not None:
             (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
-        self._write_configs(directory, module)
+        for filename, document in staged.documents.items():
+            _write_json(directory / filename, document, filename)
         for filename, content in self.extra_files.items():
             data = content if isinstance(content, bytes) else Path(content).read_bytes()
             (directory / filename).write_bytes(data)
@@ -364,9 +381,21 @@ class ModelHandler:
             "tensors": len(tensors),
             "total_size": plan.total_size,
             "files": [f.filename for f in plan.files],
-            "tied": tied,
+            "tied": staged.tied,
             "export_dtype": None if self.export_dtype is None else _dtype_str(self.export_dtype),
         }
+
+    def _collect(self, module: torch.nn.Module) -> _StagedModel:
+        """The tensors to write (one per tied group, still the module's own) and the JSON files."""
+        state = canonical_state(module)
+        tensors: dict[str, torch.Tensor] = {}
+        tied: dict[str, str] = {}
+        for group in tie_groups(state):
+            keep = kept_name(group, module)
+            _check_savable(keep, state[keep])
+            tensors[keep] = state[keep]
+            tied.update({name: keep for name in group if name != keep})
+        return _StagedModel(tensors, tied, self._documents(module))
 
     def _file_dtype(self, tensor: torch.Tensor) -> torch.dtype:
         if self.export_dtype is not None and tensor.is_floating_point():
@@ -386,10 +415,12 @@ class ModelHandler:
         finally:
             os.close(fd)
 
-    def _write_configs(self, directory: Path, module: torch.nn.Module) -> None:
+    def _documents(self, module: torch.nn.Module) -> dict[str, Any]:
+        """``config.json`` and ``generation_config.json`` contents, by file name."""
         inner = unwrap(module)
+        documents: dict[str, Any] = {}
         if self.config is not None:
-            _write_json(directory / CONFIG_FILE, self.config, "config")
+            documents[CONFIG_FILE] = self.config
         else:
             config = getattr(inner, "config", None)
             if callable(getattr(config, "to_dict", None)):
@@ -399,14 +430,11 @@ class ModelHandler:
                     document["architectures"] = [type(inner).__name__]
                 dtype_key = "torch_dtype" if "torch_dtype" in document else "dtype"
                 document[dtype_key] = _dtype_str(self.export_dtype or _float_dtype(inner))
-                _write_json(directory / CONFIG_FILE, document, "module.config")
+                documents[CONFIG_FILE] = document
         generation = getattr(inner, "generation_config", None)
         if callable(getattr(generation, "to_dict", None)):
-            _write_json(
-                directory / GENERATION_CONFIG_FILE,
-                generation.to_dict(),  # type: ignore[union-attr]
-                "module.generation_config",
-            )
+            documents[GENERATION_CONFIG_FILE] = generation.to_dict()  # type: ignore[union-attr]
+        return documents
 
     # --------------------------------------------------------------------------------- restore
 

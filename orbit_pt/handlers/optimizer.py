@@ -23,6 +23,7 @@ changes the optimizer being saved (Adam's ``step`` becomes 1).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ import msgpack
 import torch
 
 from orbit_pt._safetensors import SafetensorsReader, write_safetensors
+from orbit_pt._staging import StagingPool
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, StateMismatchError
 from orbit_pt.handlers.base import HandlerContext
 from orbit_pt.handlers.model import parameter_names
@@ -39,6 +41,15 @@ STRUCTURE_FILE = "optimizer.msgpack"
 TENSORS_FILE = "optimizer.safetensors"
 _FORMAT_VERSION = 1
 _MAX_LISTED = 50
+
+
+@dataclass(frozen=True)
+class _StagedOptimizer:
+    """An encoded optimizer: msgpack bytes, tensors by name, and the metadata info."""
+
+    structure: bytes
+    tensors: dict[str, torch.Tensor]
+    info: dict[str, Any]
 
 
 class OptimizerHandler:
@@ -51,6 +62,9 @@ class OptimizerHandler:
     Args:
         model_item: the item holding the model whose parameters the optimizer updates. Needed
             only when the items hold several modules (or the model is not itself an item).
+
+    With ``async_save``, :meth:`stage` names and encodes the state and copies its tensors into
+    reused host buffers; :meth:`save` writes that copy on the background thread.
     """
 
     name = "optimizer"
@@ -61,9 +75,28 @@ class OptimizerHandler:
                 f"model_item must be the name of an item, got {model_item!r}"
             )
         self.model_item = model_item
+        self._pool = StagingPool()
+
+    def stage(self, item: Any, context: HandlerContext) -> _StagedOptimizer:
+        """Encode the state now and copy its tensors into reused host buffers."""
+        staged = self._encode_state(_check_optimizer(item, "save"), context)
+        self._pool.begin()
+        tensors = {name: self._pool.copy(name, t) for name, t in staged.tensors.items()}
+        self._pool.finish()
+        return _StagedOptimizer(staged.structure, tensors, staged.info)
 
     def save(self, directory: Path, item: Any, context: HandlerContext) -> Mapping[str, Any]:
-        optimizer = _check_optimizer(item, "save")
+        if isinstance(item, _StagedOptimizer):
+            staged = item
+        else:
+            staged = self._encode_state(_check_optimizer(item, "save"), context)
+        (directory / STRUCTURE_FILE).write_bytes(staged.structure)
+        write_safetensors(directory / TENSORS_FILE, staged.tensors)
+        return staged.info
+
+    def _encode_state(
+        self, optimizer: torch.optim.Optimizer, context: HandlerContext
+    ) -> _StagedOptimizer:
         names = self._names(optimizer, context, "save")
         saved = optimizer.state_dict()
         state = {names[index]: value for index, value in saved["state"].items()}
@@ -81,14 +114,13 @@ class OptimizerHandler:
             "param_groups": _encode(groups, "param_groups", tensors),
             "param_shapes": shapes,
         }
-        (directory / STRUCTURE_FILE).write_bytes(msgpack.packb(structure, use_bin_type=True))
-        write_safetensors(directory / TENSORS_FILE, tensors)
-        return {
+        info = {
             "format_version": _FORMAT_VERSION,
             "optimizer": type(optimizer).__name__,
             "parameters": len(names),
             "tensors": len(tensors),
         }
+        return _StagedOptimizer(msgpack.packb(structure, use_bin_type=True), tensors, info)
 
     def restore(self, directory: Path, target: Any | None, context: HandlerContext) -> Any:
         structure = _read_structure(directory / STRUCTURE_FILE)
