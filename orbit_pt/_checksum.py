@@ -18,6 +18,7 @@ from pathlib import Path
 
 import xxhash
 
+from orbit_pt import _progress
 from orbit_pt.errors import CheckpointValueError
 
 ALGORITHM = "xxh3-64"
@@ -55,6 +56,7 @@ def of_file(path: Path) -> str:
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(view):
             checksum.update(view[:n])
+            _progress.advance(n)
     return checksum.value()
 
 

@@ -13,13 +13,14 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 
 import filelock
 
-from orbit_pt import _fs, _layout
+from orbit_pt import _checksum, _fs, _layout, _progress
 from orbit_pt._dist import Collective
 from orbit_pt.errors import (
     CheckpointLockedError,
@@ -145,9 +146,16 @@ class StepStore:
     def step_path(self, step: int) -> Path:
         return self.root / _layout.step_name(step)
 
-    def check_files(self, step: int, meta: StepMetadata) -> None:
-        """Every file the metadata lists is present with its recorded size."""
+    def check_files(
+        self, step: int, meta: StepMetadata, *, checksums_of: Iterable[str] = ()
+    ) -> None:
+        """Every file the metadata lists is present with its recorded size.
+
+        Files of the items named in ``checksums_of`` are also read in full and checked against
+        their recorded checksums.
+        """
         base = self.step_path(step)
+        verified = tuple(f"{item}/" for item in checksums_of)
         for rel, info in meta.files.items():
             path = base / rel
             try:
@@ -161,6 +169,15 @@ class StepStore:
                     f"step {step} is damaged: {path} has {size} bytes, the metadata recorded "
                     f"{info.size} (truncated or overwritten); restore another step"
                 )
+            if rel.startswith(verified) and info.checksum is not None:
+                _checksum.check_algorithm(info.checksum)
+                actual = _checksum.of_file(path)
+                if actual != info.checksum:
+                    raise CorruptCheckpointError(
+                        f"step {step} is damaged: {path} has checksum {actual}, the metadata "
+                        f"recorded {info.checksum} (its bytes changed after the commit); "
+                        "restore another step"
+                    )
 
     # ---------------------------------------------------------------------------------- commit
 
@@ -179,14 +196,24 @@ class StepStore:
         """
         dist = dist if dist is not None else self.dist
         tmp = self.root / _layout.tmp_name(step)
+        started = time.perf_counter()
         try:
-            dist.run_everywhere(f"preparing step {step}", lambda: self._prepare(step, tmp))
-            written = dist.run_everywhere(
-                f"writing step {step}", lambda: self._write(tmp, write_items)
+            dist.run_everywhere(
+                f"preparing step {step}", lambda: self._prepare(step, tmp, primary=dist.is_primary)
             )
+            with _progress.showing(f"saving step {step}", primary=dist.is_primary):
+                written, checksums = dist.run_everywhere(
+                    f"writing step {step}", lambda: self._write(tmp, write_items)
+                )
+            # Files written whole by one rank come with the checksum computed while writing.
+            recorded: dict[str, str] = {}
+            for table in dist.all_gather(checksums):
+                recorded.update(table)
             committed = dist.run_everywhere(
                 f"committing step {step}",
-                lambda: self._finalize(step, tmp, written, build_metadata),
+                lambda: self._finalize(
+                    step, tmp, written, recorded, build_metadata, primary=dist.is_primary
+                ),
             )
         except StepAlreadyExistsError:
             raise  # nothing was written; the user must move the folder out of the way
@@ -203,9 +230,21 @@ class StepStore:
                 self._committed.pop(victim, None)
             self._committed[step] = meta
             self._committed = dict(sorted(self._committed.items()))
+        if dist.is_primary:
+            seconds = time.perf_counter() - started
+            size = sum(f.size for f in meta.files.values())
+            logger.info(
+                "committed step %d to %s: %d files, %.3f GB in %.2f s (%.2f GB/s)",
+                step,
+                self.step_path(step),
+                len(meta.files),
+                size / 1e9,
+                seconds,
+                size / 1e9 / max(seconds, 1e-9),
+            )
 
-    def _prepare(self, step: int, tmp: Path) -> None:
-        if not self.dist.is_primary:
+    def _prepare(self, step: int, tmp: Path, *, primary: bool) -> None:
+        if not primary:
             return
         final = self.step_path(step)
         if final.exists() and step not in self._committed:
@@ -216,29 +255,42 @@ class StepStore:
         _fs.remove_tree(tmp)
         tmp.mkdir()
 
-    def _write(self, tmp: Path, write_items: WriteItems) -> dict[str, ItemMetadata]:
-        written = write_items(tmp)
+    def _write(
+        self, tmp: Path, write_items: WriteItems
+    ) -> tuple[dict[str, ItemMetadata], dict[str, str]]:
+        with _checksum.recording() as recorded:
+            written = write_items(tmp)
         # Every rank fsyncs what it can see: on a shared filesystem that flushes the pages this
         # rank wrote, which rank 0 could not flush for it.
         _fs.fsync_tree(tmp)
-        return written
+        base = tmp.absolute()
+        checksums = {Path(p).relative_to(base).as_posix(): c for p, c in recorded.items()}
+        return written, checksums
 
     def _finalize(
-        self, step: int, tmp: Path, written: dict[str, ItemMetadata], build: BuildMetadata
+        self,
+        step: int,
+        tmp: Path,
+        written: dict[str, ItemMetadata],
+        recorded: dict[str, str],
+        build: BuildMetadata,
+        *,
+        primary: bool,
     ) -> tuple[bytes, list[int]] | None:
-        if not self.dist.is_primary:
+        if not primary:
             return None
-        files = {
-            rel.as_posix(): FileMetadata(size=(tmp / rel).stat().st_size)
-            for rel in _fs.iter_files(tmp)
-        }
+        files = {}
+        for rel in _fs.iter_files(tmp):
+            name = rel.as_posix()
+            # Small files and files written piecewise by several ranks are read back once.
+            checksum = recorded.get(name) or _checksum.of_file(tmp / rel)
+            files[name] = FileMetadata(size=(tmp / rel).stat().st_size, checksum=checksum)
         meta = build(written, files)
         _fs.write_file_durably(tmp / _layout.METADATA_FILE, meta.to_json())
         _fs.fsync_path(tmp)
         superseded = self._supersede_from(step)
         os.replace(tmp, self.step_path(step))
         _fs.fsync_path(self.root)
-        logger.info("committed step %d to %s", step, self.step_path(step))
         return meta.to_json(), superseded
 
     def _supersede_from(self, step: int) -> list[int]:

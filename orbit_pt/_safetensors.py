@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from orbit_pt import _checksum, _progress
 from orbit_pt.errors import CheckpointTypeError, CorruptCheckpointError
 
 DTYPE_TO_NAME: dict[torch.dtype, str] = {
@@ -120,14 +121,24 @@ def write_safetensors(
     """Write ``tensors`` to a new file at ``path``, fsync it, and return its size in bytes."""
     cpu = {name: _contiguous_cpu(name, t) for name, t in tensors.items()}
     header, _ = build_header(((n, t.dtype, tuple(t.shape)) for n, t in cpu.items()), metadata)
+    checksum = _checksum.Checksum()
     with open(path, "xb", buffering=0) as f:
-        f.write(header)
-        for tensor in cpu.values():
-            view = tensor_bytes(tensor)
+        for view in (memoryview(header), *(tensor_bytes(t) for t in cpu.values())):
             for start in range(0, len(view), _CHUNK):
-                f.write(view[start : start + _CHUNK])
+                chunk = view[start : start + _CHUNK]
+                checksum.update(chunk)  # from the bytes in memory: no read-back
+                _write_all(f.fileno(), chunk)
         os.fsync(f.fileno())
-        return f.tell()
+        size = f.tell()
+    _checksum.record(path, checksum.value())
+    return size
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    size = len(view)
+    while view:
+        view = view[os.write(fd, view) :]
+    _progress.advance(size)
 
 
 def _contiguous_cpu(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -186,6 +197,7 @@ def _read_into(f: object, offset: int, view: memoryview, path: Path) -> None:
                 f"the file ends after {done}"
             )
         done += n
+    _progress.advance(done)
 
 
 def _read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
@@ -253,6 +265,7 @@ def write_range(fd: int, offset: int, view: memoryview) -> None:
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done : done + _CHUNK], offset + done)
+    _progress.advance(done)
 
 
 def read_range(fd: int, offset: int, view: memoryview, path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from orbit_pt import _version
+from orbit_pt import _progress, _version
 from orbit_pt._background import BackgroundSaver
 from orbit_pt._commit import StepStore
 from orbit_pt._dist import Collective
@@ -302,6 +302,8 @@ class CheckpointManager:
         self,
         step: int | None = None,
         items: Mapping[str, Any] | Sequence[str] | None = None,
+        *,
+        verify: bool | None = None,
     ) -> dict[str, Any]:
         """Restore ``step`` (default: the latest).
 
@@ -311,6 +313,13 @@ class CheckpointManager:
                 ``load_state_dict``, dicts of tensors); a value of None, or a sequence of names,
                 returns that item's saved state instead. None restores every item as plain
                 state. A subset of the saved items is fine.
+            verify: read the restored items' files in full first and check them against the
+                checksums recorded at commit; default ``options.verify_on_restore``. Sizes are
+                always checked.
+
+        Raises:
+            CorruptCheckpointError: a file is missing, truncated, or (with ``verify``) its
+                bytes changed since the commit; the message names the file and the step.
 
         Returns:
             name -> the loaded object (in place) or its saved state.
@@ -319,8 +328,10 @@ class CheckpointManager:
         self._background.wait(reason="restore")
         step = self._resolve_step(step)
         meta = self._store.metadata(step)
-        self._store.check_files(step, meta)
         targets = self._targets(step, meta, items)
+        if verify is None:
+            verify = self._options.verify_on_restore
+        self._store.check_files(step, meta, checksums_of=targets if verify else ())
         context = HandlerContext(
             step=step,
             items=targets,
@@ -328,6 +339,13 @@ class CheckpointManager:
             world_size=self._dist.world_size,
             saved_world_size=meta.world_size,
         )
+        total = sum(f.size for rel, f in meta.files.items() if rel.split("/")[0] in targets)
+        with _progress.showing(f"restoring step {step}", total, primary=self._dist.is_primary):
+            return self._restore_items(step, meta, targets, context)
+
+    def _restore_items(
+        self, step: int, meta: StepMetadata, targets: dict[str, Any], context: HandlerContext
+    ) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name, target in targets.items():
             handler = self._handler_for_restore(step, name, meta.items[name])

@@ -50,6 +50,8 @@ class CheckpointManagerOptions:
         read_only: open the root for reading only (an evaluator beside a training job): no lock,
             no clean-up, and ``save``/``delete`` raise.
         preemption_signals: signals that mark the job as preempted (see ``reached_preemption``).
+        verify_on_restore: ``restore`` checks every file it reads against the checksum recorded
+            at commit (a full read of the restored items before loading them).
     """
 
     save_interval_steps: int | None = None
@@ -65,6 +67,7 @@ class CheckpointManagerOptions:
     async_save: bool = False
     read_only: bool = False
     preemption_signals: Sequence[signal.Signals] = (signal.SIGTERM,)
+    verify_on_restore: bool = False
 
     def __post_init__(self) -> None:
         if self.keep_best_n is not None and self.best_metric is None:
@@ -77,7 +80,7 @@ class CheckpointManagerOptions:
                 f"best_mode must be 'min' or 'max', got {self.best_mode!r}; use 'min' for a "
                 "loss and 'max' for an accuracy"
             )
-        for name in ("async_save", "read_only"):
+        for name in ("async_save", "read_only", "verify_on_restore"):
             if not isinstance(getattr(self, name), bool):
                 raise CheckpointTypeError(
                     f"{name} must be True or False, got {getattr(self, name)!r}"

@@ -695,21 +695,24 @@ MAX_STEP = 40
 
 @st.composite
 def rules_strategy(draw: st.DrawFn) -> Rules:
-    best_n = draw(st.sampled_from([None, None, 1, 2]))
+    # A few retention rules at a time (often one alone), so that no rule hides another's mistakes.
+    kinds = draw(
+        st.sets(st.sampled_from(["last_n", "every_k", "best_n", "interval", "pinned"]), max_size=3)
+    )
+    best_metric = draw(st.sampled_from(["loss", "acc"]))
     return Rules(
         save_interval=draw(st.sampled_from([None, None, 1, 2, 3])),
         save_on=draw(st.none() | st.frozensets(st.integers(0, 20), min_size=1, max_size=8)),
-        last_n=draw(st.sampled_from([None, 1, 2, 3])),
-        every_k=draw(st.sampled_from([None, None, 2, 3, 5])),
-        best_n=best_n,
-        best_metric=(
-            draw(st.sampled_from(["loss", "acc"]))
-            if best_n is not None
-            else draw(st.sampled_from([None, None, "loss"]))
-        ),
+        last_n=draw(st.integers(1, 3)) if "last_n" in kinds else None,
+        every_k=draw(st.sampled_from([2, 3, 5])) if "every_k" in kinds else None,
+        best_n=draw(st.integers(1, 2)) if "best_n" in kinds else None,
+        # best_metric alone (no keep_best_n) ranks for best_step() and deletes nothing
+        best_metric=best_metric if "best_n" in kinds or draw(st.booleans()) else None,
         best_mode=draw(st.sampled_from(["min", "max"])),
-        interval=draw(st.sampled_from([None, None, 3.0, 5.0])),
-        pinned=draw(st.none() | st.frozensets(st.integers(0, MAX_STEP), max_size=3)),
+        interval=draw(st.sampled_from([3.0, 5.0])) if "interval" in kinds else None,
+        pinned=(
+            draw(st.frozensets(st.integers(0, MAX_STEP), max_size=4)) if "pinned" in kinds else None
+        ),
     )
 
 

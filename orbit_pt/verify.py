@@ -1,0 +1,404 @@
+"""Verify a committed step: every file it lists is whole, readable and unchanged since commit.
+
+    from orbit_pt.verify import verify_step
+
+    report = verify_step("runs/exp1/checkpoints", 1000)
+    if not report.ok:
+        print(report.summary())
+    report.raise_for_problems()   # CorruptCheckpointError naming every damaged file
+
+What is checked, for one step folder (format in docs/format.md):
+
+- ``_CHECKPOINT_METADATA`` parses and names the step of the folder;
+- every file it lists exists, is a regular file inside the step folder, and has its recorded size;
+- no file is present that it does not list (a stray or half-copied file);
+- every recorded checksum matches the file's bytes (the whole file is read);
+- safetensors headers are valid (offsets inside the file, sizes matching dtype and shape, the
+  data section covered exactly), msgpack files parse, JSON files parse, and a model item's
+  index agrees with its shards.
+
+Files recorded without a checksum (steps written before checksums existed) get the structural
+checks only and are listed in :attr:`VerifyReport.unchecksummed`; ``require_checksums=True``
+makes each of them a problem. Tensor data is never loaded into tensors; files are read in
+chunks, so memory stays small however large the step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+import msgpack
+
+from orbit_pt import _checksum, _layout
+from orbit_pt._safetensors import SafetensorsReader
+from orbit_pt.errors import (
+    CheckpointError,
+    CheckpointValueError,
+    CorruptCheckpointError,
+    StepNotFoundError,
+)
+from orbit_pt.metadata import StepMetadata
+
+__all__ = ["Problem", "ProblemKind", "VerifyReport", "verify_step"]
+
+ProblemKind = Literal[
+    "metadata", "missing", "not-a-file", "size", "checksum", "unlisted", "unreadable", "no-checksum"
+]
+"""What a :class:`Problem` is about:
+
+- ``metadata``: ``_CHECKPOINT_METADATA`` is missing, unreadable, or names another step;
+- ``missing``: a listed file does not exist; ``not-a-file``: it is a folder or a link;
+- ``size``: a listed file has another size than recorded (truncated or appended to);
+- ``checksum``: a listed file's bytes changed, or its checksum algorithm is unknown;
+- ``unlisted``: a file in the step that the metadata does not list;
+- ``unreadable``: a file that cannot be read, or whose content is malformed (safetensors
+  header, msgpack, JSON, model index);
+- ``no-checksum``: a file recorded without a checksum, with ``require_checksums=True``.
+"""
+
+_CHUNK = 16 << 20
+ProgressCallback = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a step.
+
+    Attributes:
+        path: the file, relative to the step folder (``/``-separated); ``_CHECKPOINT_METADATA``
+            for metadata problems.
+        kind: what is wrong (see :data:`ProblemKind`).
+        detail: a readable explanation.
+    """
+
+    path: str
+    kind: ProblemKind
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The outcome of :func:`verify_step`.
+
+    Attributes:
+        step: the step verified.
+        directory: the step folder.
+        problems: everything found wrong; empty when the step is whole.
+        checksummed: files whose checksum was recomputed and matched.
+        unchecksummed: files recorded without a checksum (checked structurally only).
+        bytes_read: bytes read to recompute checksums.
+        files: how many files the metadata lists.
+    """
+
+    step: int
+    directory: Path
+    problems: tuple[Problem, ...] = ()
+    checksummed: tuple[str, ...] = ()
+    unchecksummed: tuple[str, ...] = ()
+    bytes_read: int = 0
+    files: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """Whether no problem was found."""
+        return not self.problems
+
+    def summary(self) -> str:
+        """A few human-readable lines: OK, or each problem."""
+        if self.ok:
+            line = (
+                f"step {self.step}: OK ({self.files} files, {len(self.checksummed)} checksums "
+                f"verified, {self.bytes_read} bytes read)"
+            )
+            if self.unchecksummed:
+                line += (
+                    f"; {len(self.unchecksummed)} file(s) have no checksum (written before "
+                    "checksums were recorded) and were checked structurally only"
+                )
+            return line
+        lines = [f"step {self.step} in {self.directory}: {len(self.problems)} problem(s)"]
+        lines += [f"  {problem}" for problem in self.problems]
+        return "\n".join(lines)
+
+    def raise_for_problems(self) -> None:
+        """Raise :class:`~orbit_pt.CorruptCheckpointError` listing every problem, if any."""
+        if self.ok:
+            return
+        listed = "; ".join(str(p) for p in self.problems[:20])
+        more = f"; and {len(self.problems) - 20} more" if len(self.problems) > 20 else ""
+        raise CorruptCheckpointError(
+            f"step {self.step} in {self.directory} is damaged ({len(self.problems)} problem(s): "
+            f"{listed}{more}); restore another step, or run `orbit-pt verify` on it for details"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable form (what ``orbit-pt verify --json`` prints)."""
+        return {
+            "step": self.step,
+            "directory": str(self.directory),
+            "ok": self.ok,
+            "files": self.files,
+            "checksummed": len(self.checksummed),
+            "unchecksummed": list(self.unchecksummed),
+            "bytes_read": self.bytes_read,
+            "problems": [
+                {"path": p.path, "kind": p.kind, "detail": p.detail} for p in self.problems
+            ],
+        }
+
+
+def verify_step(
+    directory: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    require_checksums: bool = False,
+    progress: ProgressCallback | None = None,
+) -> VerifyReport:
+    """Check one step folder's structure and checksums (see the module docstring).
+
+    Args:
+        directory: the checkpoint root when ``step`` is given; otherwise the step folder itself
+            (``.../step_00001000``).
+        step: the step to verify under the root ``directory``.
+        require_checksums: report files recorded without a checksum as problems (kind
+            ``no-checksum``) instead of checking them structurally only.
+        progress: called with the number of bytes read after each chunk (for a progress bar).
+
+    Returns:
+        The report; problems never raise. Call :meth:`VerifyReport.raise_for_problems` to turn
+        them into a :class:`~orbit_pt.CorruptCheckpointError`.
+
+    Raises:
+        StepNotFoundError: there is no folder for that step (or ``directory`` is not a step
+            folder that exists).
+        CheckpointValueError: ``directory`` is not named like a step folder and no ``step`` was
+            given.
+    """
+    path = Path(directory)
+    if step is None:
+        parsed = _layout.parse_step_name(path.name)
+        if parsed is None:
+            raise CheckpointValueError(
+                f"{path} is not a step folder (step_NNNNNNNN); pass the root and a step, e.g. "
+                "verify_step(root, 1000)"
+            )
+        step, step_dir, root = parsed, path, path.parent
+    else:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointValueError(f"step must be an int >= 0, got {step!r}")
+        root, step_dir = path, path / _layout.step_name(step)
+    if not step_dir.is_dir():
+        raise StepNotFoundError(step, root, _steps_under(root))
+    return _Verifier(step, step_dir, require_checksums, progress).run()
+
+
+def _steps_under(root: Path) -> list[int]:
+    try:
+        names = [entry.name for entry in os.scandir(root) if entry.is_dir()]
+    except OSError:
+        return []
+    return sorted(s for s in map(_layout.parse_step_name, names) if s is not None)
+
+
+class _Verifier:
+    def __init__(
+        self, step: int, step_dir: Path, require: bool, progress: ProgressCallback | None
+    ) -> None:
+        self.step = step
+        self.step_dir = step_dir
+        self.require = require
+        self.progress = progress
+        self.problems: list[Problem] = []
+        self.checksummed: list[str] = []
+        self.unchecksummed: list[str] = []
+        self.bytes_read = 0
+
+    def problem(self, path: str, kind: ProblemKind, detail: str) -> None:
+        self.problems.append(Problem(path, kind, detail))
+
+    def run(self) -> VerifyReport:
+        meta = self._metadata()
+        present = self._present_files()
+        listed = dict(meta.files) if meta is not None else {}
+        if meta is not None:
+            for rel, info in listed.items():
+                self._check_listed(rel, info.size, info.checksum)
+            for rel in sorted(present - set(listed) - {_layout.METADATA_FILE}):
+                self.problem(
+                    rel,
+                    "unlisted",
+                    "is not listed in the step's metadata (a stray or half-copied file); move "
+                    "it out of the step folder",
+                )
+            for name, item in meta.items.items():
+                if item.handler == "model" and (self.step_dir / name).is_dir():
+                    self._check_model_folder(name)
+        return VerifyReport(
+            step=self.step,
+            directory=self.step_dir,
+            problems=tuple(self.problems),
+            checksummed=tuple(self.checksummed),
+            unchecksummed=tuple(self.unchecksummed),
+            bytes_read=self.bytes_read,
+            files=len(listed),
+        )
+
+    def _metadata(self) -> StepMetadata | None:
+        path = self.step_dir / _layout.METADATA_FILE
+        if not path.is_file():
+            self.problem(
+                _layout.METADATA_FILE,
+                "metadata",
+                "is missing: the step was never committed (a crash mid-save, or a copy that "
+                "stopped early); it is not a checkpoint",
+            )
+            return None
+        try:
+            meta = StepMetadata.read(path)
+        except CorruptCheckpointError as exc:
+            self.problem(_layout.METADATA_FILE, "metadata", str(exc))
+            return None
+        if meta.step != self.step:
+            self.problem(
+                _layout.METADATA_FILE,
+                "metadata",
+                f"records step {meta.step}, but the folder is named for step {self.step} (renamed "
+                f"by hand?); rename it back to {_layout.step_name(meta.step)}",
+            )
+            return None
+        return meta
+
+    def _present_files(self) -> set[str]:
+        found: set[str] = set()
+        for dirpath, dirnames, filenames in os.walk(self.step_dir):
+            dirnames.sort()
+            base = Path(dirpath)
+            for name in filenames:
+                found.add((base / name).relative_to(self.step_dir).as_posix())
+            # A symlink to a folder is listed in dirnames and not followed by os.walk.
+            for name in dirnames:
+                if (base / name).is_symlink():
+                    found.add((base / name).relative_to(self.step_dir).as_posix())
+        return found
+
+    def _check_listed(self, rel: str, size: int, checksum: str | None) -> None:
+        pure = PurePosixPath(rel)
+        if pure.is_absolute() or ".." in pure.parts or not pure.parts or "\\" in rel:
+            self.problem(rel, "metadata", "is not a path inside the step folder; not read")
+            return
+        path = self.step_dir / pure
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            self.problem(rel, "not-a-file", "is not a regular file (a folder or a link)")
+            return
+        try:
+            actual = path.stat().st_size
+        except FileNotFoundError:
+            self.problem(rel, "missing", f"is missing (the metadata records {size} bytes)")
+            return
+        except OSError as exc:
+            self.problem(rel, "unreadable", f"cannot be read: {exc}")
+            return
+        if actual != size:
+            self.problem(
+                rel,
+                "size",
+                f"has {actual} bytes, the metadata records {size} (truncated or overwritten)",
+            )
+            return
+        if checksum is None:
+            if self.require:
+                self.problem(rel, "no-checksum", "has no recorded checksum (an older step)")
+            else:
+                self.unchecksummed.append(rel)
+        else:
+            self._check_checksum(rel, path, checksum)
+        self._check_content(rel, path)
+
+    def _check_checksum(self, rel: str, path: Path, recorded: str) -> None:
+        try:
+            _checksum.check_algorithm(recorded)
+        except CheckpointError as exc:
+            self.problem(rel, "checksum", str(exc))
+            return
+        digest = _checksum.Checksum()
+        buffer = bytearray(_CHUNK)
+        view = memoryview(buffer)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                while n := f.readinto(view):
+                    digest.update(view[:n])
+                    self.bytes_read += n
+                    if self.progress is not None:
+                        self.progress(n)
+        except OSError as exc:
+            self.problem(rel, "unreadable", f"cannot be read: {exc}")
+            return
+        found = digest.value()
+        if found != recorded:
+            self.problem(
+                rel,
+                "checksum",
+                f"checksum mismatch: recorded {recorded}, the file now has {found} (its bytes "
+                "changed after the commit)",
+            )
+        else:
+            self.checksummed.append(rel)
+
+    def _check_content(self, rel: str, path: Path) -> None:
+        try:
+            if rel.endswith(".safetensors"):
+                _check_safetensors(path)
+            elif rel.endswith(".msgpack"):
+                msgpack.unpackb(
+                    path.read_bytes(),
+                    raw=False,
+                    strict_map_key=False,
+                    # Extension payloads (tensor references, tuples) stay opaque: parsing is
+                    # the check, and nothing is decoded into objects.
+                    ext_hook=lambda code, data: msgpack.ExtType(code, data),
+                )
+            elif rel.endswith(".json"):
+                json.loads(path.read_bytes())
+        except CorruptCheckpointError as exc:
+            self.problem(rel, "unreadable", str(exc))
+        except (ValueError, msgpack.UnpackException, RecursionError, OSError) as exc:
+            self.problem(rel, "unreadable", f"does not parse: {type(exc).__name__}: {exc}")
+
+    def _check_model_folder(self, item: str) -> None:
+        # Imported here: the model handler imports torch-heavy helpers that verify's other
+        # checks never need.
+        from orbit_pt.handlers.model import open_model_folder
+
+        try:
+            open_model_folder(self.step_dir / item)
+        except CorruptCheckpointError as exc:
+            self.problem(item, "unreadable", str(exc))
+
+
+def _check_safetensors(path: Path) -> None:
+    """The header is valid and its tensors cover the data section exactly, with no gap."""
+    reader = SafetensorsReader(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+    position = 8 + header_len
+    for entry in sorted(reader.entries.values(), key=lambda e: (e.start, e.end)):
+        if entry.start != position:
+            raise CorruptCheckpointError(
+                f"{path} is not a valid safetensors file (tensor {entry.name!r} starts at byte "
+                f"{entry.start}, expected {position}: overlapping or gapped data)"
+            )
+        position = entry.end
+    if position != size:
+        raise CorruptCheckpointError(
+            f"{path} is not a valid safetensors file (its tensors end at byte {position}, the "
+            f"file has {size})"
+        )
