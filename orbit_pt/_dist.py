@@ -21,6 +21,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class AgreedError(CheckpointError):
+    """A failure that every rank has already agreed on (see :meth:`Collective.run_everywhere`)."""
+
+
 class Collective:
     """Rank, world size and the few collectives the manager needs, over a private gloo group."""
 
@@ -74,15 +78,35 @@ class Collective:
 
         The error on the other ranks names the rank(s) that failed and their message, so a
         failure is never a hang (a rank stuck in a barrier that its peer never reaches).
+
+        Calls may nest (a handler agreeing on its own files inside the manager's "writing step"
+        agreement). A rank that fails before it reaches the inner agreement meets its peers with
+        a different ``what``; every rank then sees that they are out of step and raises
+        :class:`AgreedError`, which enclosing calls re-raise without gathering again -- so the
+        ranks leave together instead of pairing the wrong collectives.
         """
         result: Any = None
         error: BaseException | None = None
         try:
             result = fn()
+        except AgreedError:
+            raise  # every rank already knows: gathering again would pair the wrong collectives
         except Exception as exc:
             error = exc
-        failures = self.all_gather(None if error is None else f"{type(error).__name__}: {error}")
-        failed = {rank: message for rank, message in enumerate(failures) if message is not None}
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        reports = self.all_gather((what, mine))
+        failed = {rank: message for rank, (_, message) in enumerate(reports) if message is not None}
+        elsewhere = {rank: where for rank, (where, _) in enumerate(reports) if where != what}
+        if elsewhere:
+            detail = "; ".join(
+                f"rank {rank} was at {where!r}" + (f" ({failed[rank]})" if rank in failed else "")
+                for rank, where in elsewhere.items()
+            )
+            own = f"; on this rank: {mine}" if mine is not None else ""
+            raise AgreedError(
+                f"{what} failed: the ranks are out of step, because a rank failed before "
+                f"reaching it: {detail}{own}"
+            ) from error
         if failed:
             if error is not None:
                 raise error

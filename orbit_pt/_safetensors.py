@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from orbit_pt import _checksum, _progress
+from orbit_pt._direct_io import RangeWriter
 from orbit_pt.errors import CheckpointTypeError, CorruptCheckpointError
 
 DTYPE_TO_NAME: dict[torch.dtype, str] = {
@@ -118,27 +119,25 @@ def build_header(
 def write_safetensors(
     path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
 ) -> int:
-    """Write ``tensors`` to a new file at ``path``, fsync it, and return its size in bytes."""
+    """Write ``tensors`` to a new file at ``path``, fsync it, and return its size in bytes.
+
+    The bytes go straight from tensor memory to the disk (O_DIRECT where the filesystem allows
+    it), and the file's checksum is computed on the way and recorded for the commit.
+    """
     cpu = {name: _contiguous_cpu(name, t) for name, t in tensors.items()}
     header, _ = build_header(((n, t.dtype, tuple(t.shape)) for n, t in cpu.items()), metadata)
+    views = [memoryview(header), *(tensor_bytes(t) for t in cpu.values())]
+    size = sum(len(v) for v in views)
+    with open(path, "xb") as f:
+        f.truncate(size)
     checksum = _checksum.Checksum()
-    with open(path, "xb", buffering=0) as f:
-        for view in (memoryview(header), *(tensor_bytes(t) for t in cpu.values())):
-            for start in range(0, len(view), _CHUNK):
-                chunk = view[start : start + _CHUNK]
-                checksum.update(chunk)  # from the bytes in memory: no read-back
-                _write_all(f.fileno(), chunk)
-        os.fsync(f.fileno())
-        size = f.tell()
+    writer = RangeWriter(path)
+    try:
+        writer.write(0, views, checksum)
+    finally:
+        writer.close()
     _checksum.record(path, checksum.value())
     return size
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    size = len(view)
-    while view:
-        view = view[os.write(fd, view) :]
-    _progress.advance(size)
 
 
 def _contiguous_cpu(name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -209,7 +210,11 @@ class CheckpointManager:
         # The previous async save must be durable (or its failure raised) before the next.
         self._background.wait(reason=f"save of step {step}")
         context = HandlerContext(
-            step=step, items=dict(items), rank=self._dist.rank, world_size=self._dist.world_size
+            step=step,
+            items=dict(items),
+            rank=self._dist.rank,
+            world_size=self._dist.world_size,
+            collective=self._dist,
         )
         # A preemption save is synchronous: the job is about to exit inside its grace period.
         if self._options.async_save and not self._preempted:
@@ -253,6 +258,8 @@ class CheckpointManager:
     ) -> Callable[[], None]:
         """The write + commit + retention of one step, to run now or on the background thread."""
         collective = dist if dist is not None else self._background_dist
+        # Handlers agree on their files over the same group as the commit they run inside.
+        context = dataclasses.replace(context, collective=collective)
 
         def write_items(tmp: Path) -> dict[str, ItemMetadata]:
             written = {}
@@ -338,6 +345,7 @@ class CheckpointManager:
             rank=self._dist.rank,
             world_size=self._dist.world_size,
             saved_world_size=meta.world_size,
+            collective=self._dist,
         )
         total = sum(f.size for rel, f in meta.files.items() if rel.split("/")[0] in targets)
         with _progress.showing(f"restoring step {step}", total, primary=self._dist.is_primary):

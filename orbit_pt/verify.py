@@ -196,11 +196,12 @@ def verify_step(
             raise CheckpointValueError(f"step must be an int >= 0, got {step!r}")
         root, step_dir = path, path / _layout.step_name(step)
     if not step_dir.is_dir():
-        raise StepNotFoundError(step, root, _steps_under(root))
+        raise StepNotFoundError(step, root, steps_under(root))
     return _Verifier(step, step_dir, require_checksums, progress).run()
 
 
-def _steps_under(root: Path) -> list[int]:
+def steps_under(root: Path) -> list[int]:
+    """The steps of the step-named folders under ``root`` (committed or not), ascending."""
     try:
         names = [entry.name for entry in os.scandir(root) if entry.is_dir()]
     except OSError:

@@ -226,9 +226,14 @@ def test_second_writer_is_refused_and_close_releases_the_lock(root: Path) -> Non
 
 
 def test_context_manager_releases_the_lock_on_error(root: Path) -> None:
-    with pytest.raises(RuntimeError, match="boom"), CheckpointManager(root) as mgr:
-        save_steps(mgr, [1])
-        raise RuntimeError("boom")
+    def fail_inside(mgr: CheckpointManager) -> None:
+        with mgr:
+            save_steps(mgr, [1])
+            raise RuntimeError("boom")
+
+    mgr = CheckpointManager(root)
+    with pytest.raises(RuntimeError, match="boom"):
+        fail_inside(mgr)
     with pytest.raises(CheckpointError, match="closed"):
         mgr.save(2, {"s": state(2)})
     with CheckpointManager(root) as again:
@@ -293,7 +298,8 @@ def test_lock_holds_across_processes(root: Path, tmp_path: Path, how: str) -> No
         text=True,
     )
     try:
-        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout is not None
+        assert child.stdin is not None
         assert child.stdout.readline() == "locked\n"
         with pytest.raises(CheckpointLockedError):
             CheckpointManager(root)
@@ -340,7 +346,11 @@ def test_rollback_moves_newer_steps_to_superseded(
     assert str(root) in warning.getMessage()
     assert "superseded" in warning.getMessage()
     moved = sorted((root / "superseded").iterdir())
-    assert [p.name.split(".")[0] for p in moved] == ["step_00000003", "step_00000004", "step_00000005"]
+    assert [p.name.split(".")[0] for p in moved] == [
+        "step_00000003",
+        "step_00000004",
+        "step_00000005",
+    ]
     for folder in moved:
         step = int(folder.name.split(".")[0].removeprefix("step_"))
         assert tree(folder) == before[step]  # intact, byte for byte
@@ -474,7 +484,7 @@ def test_metadata(root: Path) -> None:
 
 
 def test_restore_variants(root: Path) -> None:
-    items = {"a": {"x": torch.arange(3)}, "b": {"y": 2}, "c": [torch.ones(1)]}
+    items: dict[str, Any] = {"a": {"x": torch.arange(3)}, "b": {"y": 2}, "c": [torch.ones(1)]}
     with CheckpointManager(root) as mgr:
         mgr.save(1, {"a": {"x": torch.zeros(3)}, "b": {"y": 1}, "c": [torch.zeros(1)]})
         mgr.save(2, items)

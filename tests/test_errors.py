@@ -136,7 +136,8 @@ def test_step_not_found_message(tmp_path: Path) -> None:
     error = StepNotFoundError(7, tmp_path, list(range(0, 2000, 100)))
     assert (error.step, error.root, error.available[:2]) == (7, str(tmp_path), [0, 100])
     message = str(error)
-    assert "step 7" in message and str(tmp_path) in message
+    assert "step 7" in message
+    assert str(tmp_path) in message
     assert "0, 100, 200, 300, 400, ..., 1500, 1600, 1700, 1800, 1900" in message
     assert "None for the latest" in message
 
@@ -199,7 +200,19 @@ def test_restore_with_no_steps(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------- items
 
 
-BAD_NAMES = ["", ".", "..", "a/b", "../x", "a\\b", ".hidden", "_x", "_CHECKPOINT_METADATA", " x", "a\0"]
+BAD_NAMES = [
+    "",
+    ".",
+    "..",
+    "a/b",
+    "../x",
+    "a\\b",
+    ".hidden",
+    "_x",
+    "_CHECKPOINT_METADATA",
+    " x",
+    "a\0",
+]
 
 
 @pytest.mark.parametrize("name", BAD_NAMES)
@@ -244,7 +257,8 @@ def test_missing_items_at_restore_name_what_the_step_holds(mgr: CheckpointManage
             mgr.restore(2, items)
         message = str(info.value)
         assert isinstance(info.value, KeyError)
-        assert "step 2" in message and str(mgr.directory) in message
+        assert "step 2" in message
+        assert str(mgr.directory) in message
         assert "it holds ['s']" in message
         assert not message.startswith(("'", '"'))  # readable, not KeyError's quoting
 
@@ -297,9 +311,12 @@ def test_metadata_never_makes_orbit_pt_import_a_handler(mgr: CheckpointManager) 
     doc = json.loads(path.read_bytes())
     doc["items"]["s"]["handler"] = "os.system"
     path.write_text(json.dumps(doc))
-    with CheckpointManager(mgr.directory, options=CheckpointManagerOptions(read_only=True)) as r:
-        with pytest.raises(CheckpointValueError, match="'os.system', which is not built in"):
-            r.restore(2)
+    read_only = CheckpointManagerOptions(read_only=True)
+    with (
+        CheckpointManager(mgr.directory, options=read_only) as reader,
+        pytest.raises(CheckpointValueError, match=r"'os\.system', which is not built in"),
+    ):
+        reader.restore(2)
 
 
 # ----------------------------------------------------------------------------- corrupt steps

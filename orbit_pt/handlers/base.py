@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from orbit_pt._dist import Collective
+
 
 @dataclass(frozen=True)
 class HandlerContext:
@@ -25,6 +27,12 @@ class HandlerContext:
         rank: this process's rank (0 on one process).
         world_size: the number of ranks taking part (1 on one process).
         saved_world_size: on restore, the number of ranks that wrote the step.
+        collective: under torch.distributed, the manager's control group (gloo) that the
+            step's own agreement runs on; a handler that must coordinate ranks inside ``save``
+            (the model and optimizer handlers: rank 0 creates the files, then every rank writes
+            its rows) calls ``collective.run_everywhere(what, fn)``, which is a barrier that
+            also agrees on failures. None on one process, and when a handler is called
+            outside a manager.
     """
 
     step: int
@@ -32,6 +40,7 @@ class HandlerContext:
     rank: int = 0
     world_size: int = 1
     saved_world_size: int = 1
+    collective: Collective | None = None
 
 
 @runtime_checkable

@@ -1,0 +1,288 @@
+"""Which bytes of a safetensors file each rank writes and reads, for FSDP2 and other DTensors.
+
+FSDP2 shards every parameter on dim 0, so a rank's local shard is a block of whole rows of the
+full tensor -- one contiguous byte range of it in a safetensors file. A save therefore needs no
+gathering: every rank computes the same file plan from global names, dtypes and shapes, rank 0
+creates each file (header, final length), and after one agreement every rank ``pwrite``\\ s its
+rows at ``tensor start + first row * row bytes``. A restore reads only the rows a rank holds,
+straight into its local shard, whatever the number of ranks that wrote the file.
+
+What each rank writes of one tensor is a :class:`Piece`:
+
+- a plain tensor (a buffer, an unsharded model, Adam's ``step``) is written whole by rank 0;
+- a DTensor whose placements are ``Shard(0)``/``Replicate`` only (FSDP2, HSDP) is written as row
+  blocks, each by one rank: the one with coordinate 0 on every replicated mesh dimension;
+- any other layout (``Shard(1)`` from tensor parallelism, ``_StridedShard``, ``Partial``) is
+  gathered with ``full_tensor()`` -- a collective on the tensor's own mesh, so it runs while
+  staging, on the training thread -- and written whole by the mesh's first rank, with a log line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orbit_pt._dist import Collective
+from orbit_pt._safetensors import (
+    SafetensorsReader,
+    TensorEntry,
+    create_file,
+    read_range,
+    tensor_bytes,
+    write_range,
+)
+from orbit_pt.errors import CheckpointValueError, CorruptCheckpointError
+
+logger = logging.getLogger(__name__)
+
+try:  # torch.distributed is optional in some torch builds
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover - builds without torch.distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What this rank writes of one tensor.
+
+    Attributes:
+        shape: the global shape (what the file plan records).
+        dtype: the tensor's own dtype (the plan may cast it, e.g. ``export_dtype``).
+        data: the rows this rank writes, starting at global row ``row``; None when another
+            rank writes them (or there are none).
+        row: the first global row of ``data`` (0 for a whole tensor).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    data: torch.Tensor | None
+    row: int = 0
+
+
+@dataclass(frozen=True)
+class FileWrite:
+    """One file of a save: its header, data size, and the pieces that go into it."""
+
+    path: Path
+    header: bytes
+    data_size: int
+    pieces: tuple[tuple[TensorEntry, Piece], ...]
+
+
+def is_dtensor(tensor: Any) -> bool:
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def row_block(tensor: Any) -> tuple[int, int, bool] | None:
+    """``(first row, rows, writes)`` of a DTensor's local shard, or None if it is not whole rows.
+
+    ``writes`` says whether this rank is the one replica that writes the block. A 0-dim tensor
+    counts as one row.
+    """
+    placements = tuple(tensor.placements)
+    if not all(
+        isinstance(p, Replicate) or (type(p) is Shard and p.dim == 0) for p in placements
+    ):
+        return None
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # not part of this tensor's mesh: nothing to write or read
+        return 0, 0, False
+    shape = tuple(tensor.shape)
+    if not shape:
+        first, rows = 0, 1
+    else:
+        local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+        if tuple(local_shape[1:]) != shape[1:] or any(offset[1:]):
+            return None
+        first, rows = int(offset[0]), int(local_shape[0])
+    writes = all(c == 0 for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Replicate))
+    return first, rows, writes
+
+
+def piece_of(name: str, tensor: torch.Tensor, *, rank: int) -> Piece:
+    """What this rank writes of ``tensor``; gathers layouts that are not row blocks.
+
+    Collective for a DTensor that needs gathering: call it on every rank of its mesh, for the
+    same tensors in the same order, on the training thread.
+    """
+    shape, dtype = tuple(tensor.shape), tensor.dtype
+    if not is_dtensor(tensor):
+        return Piece(shape, dtype, tensor.detach() if rank == 0 else None)
+    block = row_block(tensor)
+    if block is not None:
+        first, rows, writes = block
+        local = tensor.to_local().detach()  # type: ignore[attr-defined]
+        if tuple(local.shape[:1]) != ((rows,) if shape else ()) and shape:
+            raise CheckpointValueError(
+                f"tensor {name!r}: rank {rank} holds {tuple(local.shape)} of {shape}, but its "
+                f"placements {tensor.placements} say {rows} row(s) from row {first}; the "  # type: ignore[attr-defined]
+                "DTensor is inconsistent -- save it after the optimizer step completes"
+            )
+        return Piece(shape, dtype, local if writes and rows else None, first if shape else 0)
+    mesh = tensor.device_mesh  # type: ignore[attr-defined]
+    logger.info(
+        "tensor %r has placements %s on a mesh of shape %s, which are not blocks of whole rows; "
+        "gathering it with full_tensor() to write it from one rank",
+        name,
+        tensor.placements,  # type: ignore[attr-defined]
+        tuple(mesh.shape),
+    )
+    full = tensor.full_tensor().detach()  # type: ignore[attr-defined]
+    coordinate = mesh.get_coordinate()
+    first_rank = coordinate is not None and all(c == 0 for c in coordinate)
+    return Piece(shape, dtype, full.to("cpu") if first_rank else None)
+
+
+def plan_digest(files: Sequence[FileWrite]) -> str:
+    """A short hash of the file names and headers: equal on every rank when the plans agree."""
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.path.name.encode())
+        digest.update(f.header)
+    return digest.hexdigest()[:16]
+
+
+def write_files(
+    files: Sequence[FileWrite],
+    *,
+    rank: int,
+    world_size: int,
+    collective: Collective | None,
+    what: str,
+) -> None:
+    """Create ``files`` (rank 0) and write this rank's pieces into them.
+
+    Under torch.distributed one agreement on ``collective`` sits between the two: it is the
+    barrier that orders rank 0's file creation before every other rank's writes, and it also
+    checks that every rank computed the same plan, so ranks holding different models fail
+    instead of writing a wrong checkpoint.
+    """
+    if world_size > 1:
+        if collective is None or not collective.enabled:
+            raise CheckpointValueError(
+                f"{what}: a save on {world_size} ranks needs HandlerContext.collective to agree "
+                "on the files; call the handler through CheckpointManager, or pass the "
+                "manager's collective in the context"
+            )
+        digest = plan_digest(files)
+
+        def create() -> None:
+            if rank == 0:
+                for f in files:
+                    create_file(f.path, f.header, f.data_size)
+
+        collective.run_everywhere(f"creating the files of {what}", create)
+        digests = collective.all_gather(digest)
+        if len(set(digests)) > 1:
+            differ = [r for r, d in enumerate(digests) if d != digests[0]]
+            raise CheckpointValueError(
+                f"{what}: rank(s) {differ} planned different files than rank 0 (tensor names, "
+                "dtypes or global shapes differ between ranks); every rank must save the same "
+                "model -- pipeline-parallel stages are not supported by this handler"
+            )
+    else:
+        for f in files:
+            create_file(f.path, f.header, f.data_size)
+    for f in files:
+        mine = [(e, p) for e, p in f.pieces if p.data is not None and p.data.numel()]
+        if not mine:
+            continue
+        fd = os.open(f.path, os.O_WRONLY)
+        try:
+            for entry, piece in mine:
+                write_piece(fd, entry, piece)
+        finally:
+            os.close(fd)
+
+
+def write_piece(fd: int, entry: TensorEntry, piece: Piece) -> None:
+    """Write ``piece`` (cast to the planned dtype, on CPU) at its rows' offset in the file."""
+    assert piece.data is not None
+    # One piece at a time: at most one converted copy is alive, never the whole state.
+    data = piece.data.detach().to("cpu", entry.dtype).contiguous()
+    view = tensor_bytes(data)
+    offset = piece.row * _row_bytes(entry)
+    if offset + len(view) > entry.nbytes:
+        raise CheckpointValueError(
+            f"tensor {entry.name!r}: {len(view)} bytes from row {piece.row} do not fit its "
+            f"{entry.nbytes} bytes in the file plan; it changed while being saved"
+        )
+    if piece.row == 0 and tuple(data.shape) == entry.shape and len(view) != entry.nbytes:
+        raise CheckpointValueError(
+            f"tensor {entry.name!r} has {len(view)} bytes but the file plan expects "
+            f"{entry.nbytes}; it changed while being saved"
+        )
+    write_range(fd, entry.start + offset, view)
+
+
+def _row_bytes(entry: TensorEntry) -> int:
+    if not entry.shape or entry.shape[0] == 0:
+        return entry.nbytes
+    return entry.nbytes // entry.shape[0]
+
+
+# ------------------------------------------------------------------------------------ restore
+
+
+def read_local(reader: SafetensorsReader, name: str, like: Any, out: torch.Tensor | None) -> torch.Tensor:
+    """This rank's part of tensor ``name``, laid out like the DTensor ``like``.
+
+    Row blocks are read straight from the file into ``out`` (or a new tensor); other layouts
+    read the whole tensor and keep this rank's slice of it. The result has the file's dtype
+    unless it was read into ``out``.
+    """
+    entry = reader.entries[name]
+    block = row_block(like)
+    if block is None:
+        logger.info(
+            "tensor %r has placements %s, which are not blocks of whole rows; reading it whole "
+            "from %s and keeping this rank's part",
+            name,
+            like.placements,
+            reader.path,
+        )
+        full = reader.read(name).to(like.to_local().device, like.dtype)
+        local = distribute_tensor(
+            full, like.device_mesh, like.placements, src_data_rank=None
+        ).to_local()
+        if out is not None:
+            out.copy_(local)
+            return out
+        return local  # type: ignore[no-any-return]
+    first, rows, _ = block
+    local_shape = (rows, *entry.shape[1:]) if entry.shape else ()
+    direct = (
+        out is not None
+        and out.device.type == "cpu"
+        and out.is_contiguous()
+        and out.dtype == entry.dtype
+        and tuple(out.shape) == local_shape
+    )
+    buffer = out if direct else torch.empty(local_shape, dtype=entry.dtype)
+    assert buffer is not None
+    view = tensor_bytes(buffer)
+    if len(view):
+        start = entry.start + (first * _row_bytes(entry) if entry.shape else 0)
+        if start + len(view) > entry.end:
+            raise CorruptCheckpointError(
+                f"{reader.path}: rows {first}..{first + rows} of {name!r} lie outside its "
+                f"{entry.shape[0]} saved rows; the step does not fit this model"
+            )
+        fd = os.open(reader.path, os.O_RDONLY)
+        try:
+            read_range(fd, start, view, reader.path)
+        finally:
+            os.close(fd)
+    if out is not None and not direct:
+        out.copy_(buffer)
+        return out
+    return buffer
