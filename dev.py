@@ -4,6 +4,7 @@
     python3 dev.py demo     # the main demo
     python3 dev.py test     # the test suite (extra arguments go to pytest)
     python3 dev.py lint     # ruff check, ruff format --check, mypy
+    python3 dev.py docs     # the docs site (mkdocs build --strict) into ./site
 
 Each command creates (or reuses) ./.venv and installs what it needs into it. PyTorch is
 installed first and pinned to a CPU build: an unpinned `torch` would pull a multi-GB CUDA build.
@@ -63,6 +64,11 @@ def main() -> int:
             run("-m", "ruff", "format", "--check", "."),
             run("-m", "mypy"),
         )
+    if command == "docs":
+        ensure_venv()
+        # mkdocs-material prints a banner about its successor on every build; it is not ours.
+        os.environ.setdefault("NO_MKDOCS_2_WARNING", "1")
+        return run("-m", "mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"), *rest)
     print(__doc__)
     return 0 if command in ("help", "-h", "--help") else 2
 

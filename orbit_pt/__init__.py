@@ -22,10 +22,26 @@ from orbit_pt.errors import (
 from orbit_pt.manager import CheckpointManager
 from orbit_pt.metadata import FileMetadata, ItemMetadata, StepMetadata
 from orbit_pt.options import CheckpointManagerOptions
-from orbit_pt.policies import CheckpointInfo
+from orbit_pt.policies import (
+    AnyOf,
+    AnySavePolicy,
+    CheckpointInfo,
+    EveryNSteps,
+    KeepBestN,
+    KeepEveryKSteps,
+    KeepLastN,
+    KeepSteps,
+    KeepTimeInterval,
+    OnPreemption,
+    OnSteps,
+    RetentionPolicy,
+    SavePolicy,
+)
 from orbit_pt.recipe import RecipeState, RNGState
 
 __all__ = [
+    "AnyOf",
+    "AnySavePolicy",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointLockedError",
@@ -35,12 +51,22 @@ __all__ = [
     "CheckpointTypeError",
     "CheckpointValueError",
     "CorruptCheckpointError",
+    "EveryNSteps",
     "FileMetadata",
     "ItemMetadata",
     "ItemNotFoundError",
+    "KeepBestN",
+    "KeepEveryKSteps",
+    "KeepLastN",
+    "KeepSteps",
+    "KeepTimeInterval",
+    "OnPreemption",
+    "OnSteps",
     "RNGState",
     "ReadOnlyError",
     "RecipeState",
+    "RetentionPolicy",
+    "SavePolicy",
     "StateMismatchError",
     "StepAlreadyExistsError",
     "StepMetadata",

@@ -88,9 +88,7 @@ def row_block(tensor: Any) -> tuple[int, int, bool] | None:
     counts as one row.
     """
     placements = tuple(tensor.placements)
-    if not all(
-        isinstance(p, Replicate) or (type(p) is Shard and p.dim == 0) for p in placements
-    ):
+    if not all(isinstance(p, Replicate) or (type(p) is Shard and p.dim == 0) for p in placements):
         return None
     mesh = tensor.device_mesh
     coordinate = mesh.get_coordinate()
@@ -104,7 +102,9 @@ def row_block(tensor: Any) -> tuple[int, int, bool] | None:
         if tuple(local_shape[1:]) != shape[1:] or any(offset[1:]):
             return None
         first, rows = int(offset[0]), int(local_shape[0])
-    writes = all(c == 0 for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Replicate))
+    writes = all(
+        c == 0 for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Replicate)
+    )
     return first, rows, writes
 
 
@@ -121,7 +121,7 @@ def piece_of(name: str, tensor: torch.Tensor, *, rank: int) -> Piece:
     if block is not None:
         first, rows, writes = block
         local = tensor.to_local().detach()  # type: ignore[attr-defined]
-        if tuple(local.shape[:1]) != ((rows,) if shape else ()) and shape:
+        if shape and local.shape[0] != rows:
             raise CheckpointValueError(
                 f"tensor {name!r}: rank {rank} holds {tuple(local.shape)} of {shape}, but its "
                 f"placements {tensor.placements} say {rows} row(s) from row {first}; the "  # type: ignore[attr-defined]
@@ -233,7 +233,9 @@ def _row_bytes(entry: TensorEntry) -> int:
 # ------------------------------------------------------------------------------------ restore
 
 
-def read_local(reader: SafetensorsReader, name: str, like: Any, out: torch.Tensor | None) -> torch.Tensor:
+def read_local(
+    reader: SafetensorsReader, name: str, like: Any, out: torch.Tensor | None
+) -> torch.Tensor:
     """This rank's part of tensor ``name``, laid out like the DTensor ``like``.
 
     Row blocks are read straight from the file into ``out`` (or a new tensor); other layouts
@@ -257,7 +259,7 @@ def read_local(reader: SafetensorsReader, name: str, like: Any, out: torch.Tenso
         if out is not None:
             out.copy_(local)
             return out
-        return local  # type: ignore[no-any-return]
+        return local
     first, rows, _ = block
     local_shape = (rows, *entry.shape[1:]) if entry.shape else ()
     direct = (

@@ -713,13 +713,14 @@ def _run(args: argparse.Namespace) -> tuple[int, Any, str]:
         return _error(args, EXIT_USAGE, "usage", str(exc))
     except _NotFoundError as exc:
         return _error(args, EXIT_NOT_FOUND, "not_found", str(exc))
-    except CheckpointLockedError as exc:
+    except CheckpointLockedError:
         return _error(
             args,
             EXIT_LOCKED,
             "locked",
-            f"{exc}. A training job is probably writing this root; run prune when it has "
-            "stopped, or use --dry-run to see what would be deleted. Nothing was changed.",
+            f"{args.root} is locked: another process holds {Path(args.root) / _layout.LOCK_FILE}"
+            " (a training job writing this root, or another prune); nothing was changed. Run "
+            "prune when it has stopped, or use --dry-run to see what it would delete",
         )
     except (StepNotFoundError, ItemNotFoundError) as exc:
         return _error(args, EXIT_NOT_FOUND, "not_found", str(exc))

@@ -428,9 +428,22 @@ class CheckpointManager:
         # Rank 0 decides, so that a policy that is not deterministic still deletes the same
         # steps from every rank's view.
         doomed = dist.broadcast([info.step for info in infos if info.step not in keep])
-        if doomed:
-            logger.info("retention: deleting step(s) %s from %s", doomed, self.directory)
+        if not doomed:
+            return
+        logger.info("retention: deleting step(s) %s from %s", doomed, self.directory)
+        try:
             self._store.delete(doomed, dist=dist)
+        except (CheckpointError, OSError) as exc:
+            # The new step is committed: failing save() for it would tell the loop its step is
+            # lost. A step not deleted stays listed and retention tries again after the next
+            # save; a half-removed one is out of the step namespace and is cleaned at open.
+            logger.error(
+                "retention could not delete step(s) %s from %s: %s; it will retry after the "
+                "next save",
+                doomed,
+                self.directory,
+                exc,
+            )
 
     def _warn_if_unranked(self, step: int, metrics: Mapping[str, float]) -> None:
         missing = sorted({rule.metric for rule in self._ranking if rule.metric not in metrics})

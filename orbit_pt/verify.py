@@ -239,8 +239,10 @@ class _Verifier:
                     "is not listed in the step's metadata (a stray or half-copied file); move "
                     "it out of the step folder",
                 )
+            damaged = {p.path.split("/", 1)[0] for p in self.problems}
             for name, item in meta.items.items():
-                if item.handler == "model" and (self.step_dir / name).is_dir():
+                # The index <-> shards agreement, unless a file of the item is already reported.
+                if item.handler == "model" and name not in damaged:
                     self._check_model_folder(name)
         return VerifyReport(
             step=self.step,

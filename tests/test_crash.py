@@ -222,6 +222,10 @@ def check_root(
                 continue
             found[step] = assert_exact(reader.restore(step)["state"], step, tags_of[step])
             verified[step] = (meta, found[step])
+        # Steps are saved consecutively and leave oldest first (retention) or newest first (a
+        # rollback): a crash never opens a gap.
+        if listed:
+            assert listed == list(range(listed[0], listed[-1] + 1)), listed
         latest = reader.latest_step()
         assert latest == (listed[-1] if listed else None)
         if latest is not None:
@@ -360,8 +364,13 @@ def trace(server: CrashServer, root: Path, plan: list[Job]) -> list[dict[str, An
     return [e for e in run.events if e["event"] in ("replace", "unlink")]
 
 
-def die_at(server: CrashServer, root: Path, plan: list[Job], call: str, n: int, when: str) -> None:
-    """Run ``plan``, its last job dying around its ``n``-th ``call``; check the root after."""
+def die_at(
+    server: CrashServer, root: Path, plan: list[Job], call: str, n: int, when: str
+) -> dict[int, str]:
+    """Run ``plan``, its last job dying around its ``n``-th ``call``; check the root after.
+
+    Returns the steps left, with the tag of the saver that wrote each.
+    """
     before, tags_of = prepare(server, root, plan)
     last = plan[-1]
     run = run_saver(
@@ -374,8 +383,8 @@ def die_at(server: CrashServer, root: Path, plan: list[Job], call: str, n: int, 
     )
     assert run.exit_code == EXIT_CODE, run.events[-5:]
     assert run.events[-2] == {"event": "exiting", "call": call, "n": n, "when": when}
-    expected = replay(run.renames, last.tag, before)
-    assert check_root(root, tags_of) == expected
+    found = check_root(root, tags_of)
+    assert found == replay(run.renames, last.tag, before)
     # Whatever was moved aside is whole: its metadata names its step and its files are all there.
     superseded = root / "superseded"
     for folder in sorted(superseded.iterdir()) if superseded.exists() else []:
@@ -383,6 +392,7 @@ def die_at(server: CrashServer, root: Path, plan: list[Job], call: str, n: int, 
         assert folder.name.startswith(f"step_{meta['step']:08d}.")
         for rel, info in meta["files"].items():
             assert (folder / rel).stat().st_size == info["size"]
+    return found
 
 
 def points(events: list[dict[str, Any]]) -> list[tuple[str, int, str, str]]:
@@ -403,56 +413,41 @@ def points(events: list[dict[str, Any]]) -> list[tuple[str, int, str, str]]:
     return [(call, n, what, f"{call}{n}-{what}") for call, n, what in out]
 
 
-# The deaths every default run checks: named by plan and by what the dying call does.
+# The deaths every default run checks, and the steps (number + tag of the saver) left after each.
+# Beyond matching the replay of the renames, these pin the order of the protocol: what is moved
+# aside first, and that retention runs only after the new step is committed.
 DEFAULT_DEATHS = [
-    ("commit", "replace", 1, "before"),  # right before the commit rename of step 2
-    ("commit", "replace", 1, "after"),  # right after it, before the root is fsynced
-    ("commit", "replace", 2, "before"),
-    ("overwrite", "replace", 1, "after"),  # step 2 moved to superseded/, new step 2 not yet in
-    ("overwrite", "replace", 2, "before"),
-    ("overwrite", "replace", 2, "after"),
-    ("rollback", "replace", 1, "after"),  # in the middle of superseding 4, 3, 2
-    ("rollback", "replace", 2, "after"),
-    ("rollback", "replace", 3, "after"),
-    ("rollback", "replace", 4, "after"),
-    ("retention", "replace", 1, "after"),  # step 2 committed; retention has not run yet
-    ("retention", "replace", 2, "before"),  # right before step 0 is renamed away
-    ("retention", "replace", 2, "after"),  # renamed away; its files are not removed yet
-    ("retention", "unlink", 1, "after"),  # in the middle of removing step 0's files
-    ("retention", "unlink", 3, "before"),
-    ("rollback+retention", "replace", 1, "after"),  # step 4 moved aside, 3 is the latest
-    ("rollback+retention", "replace", 3, "after"),  # 5 committed, retention not yet run
-    ("rollback+retention", "replace", 4, "after"),  # 3 renamed away
+    ("commit", "replace", 1, "before", "0a 1a"),  # right before the rename that commits step 2
+    ("commit", "replace", 1, "after", "0a 1a 2b"),  # right after it, before the root's fsync
+    ("commit", "replace", 2, "before", "0a 1a 2b"),
+    ("overwrite", "replace", 1, "after", "0a 1a"),  # old 2 moved aside, new 2 not yet renamed
+    ("overwrite", "replace", 2, "before", "0a 1a"),
+    ("overwrite", "replace", 2, "after", "0a 1a 2b"),
+    ("rollback", "replace", 1, "after", "0a 1a 2a 3a"),  # superseding 4, 3, 2: newest first
+    ("rollback", "replace", 2, "after", "0a 1a 2a"),
+    ("rollback", "replace", 3, "after", "0a 1a"),
+    ("rollback", "replace", 4, "after", "0a 1a 2b"),
+    ("retention", "replace", 1, "after", "0a 1a 2b"),  # committed; retention has not run yet
+    ("retention", "replace", 2, "before", "0a 1a 2b"),  # right before step 0 is renamed away
+    ("retention", "replace", 2, "after", "1a 2b"),  # renamed away; no file removed yet
+    ("retention", "unlink", 1, "after", "1a 2b"),  # in the middle of removing step 0's files
+    ("retention", "unlink", 3, "before", "1a 2b"),
+    ("rollback+retention", "replace", 1, "after", "3a"),  # old 4 moved aside
+    ("rollback+retention", "replace", 3, "after", "3a 4b 5b"),  # 5 committed, 3 not yet retired
+    ("rollback+retention", "replace", 4, "after", "4b 5b"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("plan", "call", "n", "when"),
+    ("plan", "call", "n", "when", "left"),
     DEFAULT_DEATHS,
-    ids=[f"{p}-{c}{n}-{w}" for p, c, n, w in DEFAULT_DEATHS],
+    ids=[f"{p}-{c}{n}-{w}" for p, c, n, w, _ in DEFAULT_DEATHS],
 )
 def test_death_at_an_exact_call(
-    server: CrashServer, tmp_path: Path, plan: str, call: str, n: int, when: str
+    server: CrashServer, tmp_path: Path, plan: str, call: str, n: int, when: str, left: str
 ) -> None:
-    die_at(server, tmp_path / "root", PLANS[plan], call, n, when)
-
-
-def test_default_deaths_hit_what_they_say(server: CrashServer, tmp_path: Path) -> None:
-    """The calls named above do what their comments claim (guards the table against drift)."""
-    named = {
-        ("commit", 1): "commit-step_00000002",
-        ("overwrite", 1): "supersede-step_00000002",
-        ("overwrite", 2): "commit-step_00000002",
-        ("rollback", 1): "supersede-step_00000004",
-        ("rollback", 3): "supersede-step_00000002",
-        ("rollback", 4): "commit-step_00000002",
-        ("retention", 1): "commit-step_00000002",
-        ("retention", 2): "retire-step_00000000",
-    }
-    traces = {plan: points(trace(server, tmp_path / plan, PLANS[plan])) for plan in PLANS}
-    for (plan, n), what in named.items():
-        assert ("replace", n, what) in [(c, i, w) for c, i, w, _ in traces[plan]], traces[plan]
-    assert sum(call == "unlink" for call, *_ in traces["retention"]) >= 3
+    found = die_at(server, tmp_path / "root", PLANS[plan], call, n, when)
+    assert found == {int(s[:-1]): s[-1] for s in left.split()}
 
 
 @pytest.mark.slow

@@ -13,6 +13,11 @@ Saving goes through a *file plan* computed from tensor names, dtypes and shapes 
 byte range. Tensor bytes are then written into those ranges (:func:`write_tensor`). Keeping the
 plan free of tensor data is what lets every rank of a sharded save agree on the files and write
 only its own rows into them.
+
+Under torch.distributed with FSDP2 (DTensor parameters sharded on dim 0) every rank writes the
+rows of its own local shard into the same files (see :mod:`orbit_pt._sharding` and
+docs/fsdp.md); the folder is byte for byte the one a single process writes. A restore reads only
+the rows each rank holds, whatever the number of ranks that saved.
 """
 
 from __future__ import annotations
@@ -33,10 +38,10 @@ from orbit_pt._safetensors import (
     SafetensorsReader,
     TensorEntry,
     build_header,
-    create_file,
     tensor_bytes,
     write_range,
 )
+from orbit_pt._sharding import FileWrite, Piece, is_dtensor, piece_of, read_local, write_files
 from orbit_pt._staging import StagingPool
 from orbit_pt.errors import (
     CheckpointTypeError,
@@ -215,8 +220,19 @@ def tie_groups(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
     """Names grouped by the tensor they are (same memory, shape, strides and dtype), in order."""
     groups: dict[tuple[Any, ...], list[str]] = {}
     for name, tensor in state.items():
-        if tensor.numel() == 0 or tensor.device.type == "meta":
-            key: tuple[Any, ...] = (name,)  # nothing to share; never group these
+        key: tuple[Any, ...]
+        if is_dtensor(tensor):
+            # Global facts plus the local shard's storage: the same grouping on every rank,
+            # including ranks whose shard has no rows (FSDP2 keeps those in padded storage).
+            local = tensor.to_local()  # type: ignore[attr-defined]
+            storage = local.untyped_storage().data_ptr()
+            key = (
+                ("dtensor", storage, local.storage_offset(), tuple(tensor.shape), tensor.dtype)
+                if storage
+                else (name,)
+            )
+        elif tensor.numel() == 0 or tensor.device.type == "meta":
+            key = (name,)  # nothing to share; never group these
         else:
             key = (
                 tensor.device,
@@ -288,9 +304,9 @@ def _numel(shape: Iterable[int]) -> int:
 
 @dataclass(frozen=True)
 class _StagedModel:
-    """What a save writes: tensors by saved name, tied name -> kept name, JSON files by name."""
+    """What a save writes: this rank's pieces by saved name, tied name -> kept name, JSON files."""
 
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, Piece]
     tied: dict[str, str]
     documents: dict[str, Any]
 
@@ -350,32 +366,56 @@ class ModelHandler:
     # ------------------------------------------------------------------------------------ save
 
     def stage(self, item: Any, context: HandlerContext) -> _StagedModel:
-        """Copy the weights into reused host buffers, for a save on a background thread."""
-        staged = self._collect(_check_module(item, "save"))
+        """Copy the weights into reused host buffers, for a save on a background thread.
+
+        Under FSDP2 only this rank's local shards are copied (and only the rows it writes).
+        """
+        staged = self._collect(_check_module(item, "save"), context)
         self._pool.begin()
-        tensors = {name: self._pool.copy(name, t) for name, t in staged.tensors.items()}
+        tensors = {
+            name: piece
+            if piece.data is None
+            else Piece(piece.shape, piece.dtype, self._pool.copy(name, piece.data), piece.row)
+            for name, piece in staged.tensors.items()
+        }
         self._pool.finish()
         return _StagedModel(tensors, staged.tied, staged.documents)
 
     def save(self, directory: Path, item: Any, context: HandlerContext) -> Mapping[str, Any]:
         staged = (
-            item if isinstance(item, _StagedModel) else self._collect(_check_module(item, "save"))
+            item
+            if isinstance(item, _StagedModel)
+            else self._collect(_check_module(item, "save"), context)
         )
         tensors = staged.tensors
         plan = plan_files(
-            [(n, self._file_dtype(t), tuple(t.shape)) for n, t in tensors.items()],
+            [(n, self._file_dtype(p.dtype), p.shape) for n, p in tensors.items()],
             max_shard_size=self.max_shard_size,
         )
-        for planned in plan.files:
-            self._write_file(directory / planned.filename, planned, tensors)
-        index = plan.index()
-        if index is not None:
-            (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
-        for filename, document in staged.documents.items():
-            _write_json(directory / filename, document, filename)
-        for filename, content in self.extra_files.items():
-            data = content if isinstance(content, bytes) else Path(content).read_bytes()
-            (directory / filename).write_bytes(data)
+        write_files(
+            [
+                FileWrite(
+                    directory / f.filename,
+                    f.header,
+                    f.data_size,
+                    tuple((e, tensors[e.name]) for e in f.tensors),
+                )
+                for f in plan.files
+            ],
+            rank=context.rank,
+            world_size=context.world_size,
+            collective=context.collective,
+            what=f"the model in {directory}",
+        )
+        if context.rank == 0:  # the small files: once, from rank 0
+            index = plan.index()
+            if index is not None:
+                (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+            for filename, document in staged.documents.items():
+                _write_json(directory / filename, document, filename)
+            for filename, content in self.extra_files.items():
+                data = content if isinstance(content, bytes) else Path(content).read_bytes()
+                (directory / filename).write_bytes(data)
         return {
             "format_version": 1,
             "tensors": len(tensors),
@@ -385,35 +425,26 @@ class ModelHandler:
             "export_dtype": None if self.export_dtype is None else _dtype_str(self.export_dtype),
         }
 
-    def _collect(self, module: torch.nn.Module) -> _StagedModel:
-        """The tensors to write (one per tied group, still the module's own) and the JSON files."""
+    def _collect(self, module: torch.nn.Module, context: HandlerContext) -> _StagedModel:
+        """What this rank writes (one piece per tied group, still the module's own memory).
+
+        Collective when a DTensor must be gathered (a layout that is not FSDP2's row blocks):
+        every rank collects the same tensors in the same order.
+        """
         state = canonical_state(module)
-        tensors: dict[str, torch.Tensor] = {}
+        tensors: dict[str, Piece] = {}
         tied: dict[str, str] = {}
         for group in tie_groups(state):
             keep = kept_name(group, module)
             _check_savable(keep, state[keep])
-            tensors[keep] = state[keep]
+            tensors[keep] = piece_of(keep, state[keep], rank=context.rank)
             tied.update({name: keep for name in group if name != keep})
         return _StagedModel(tensors, tied, self._documents(module))
 
-    def _file_dtype(self, tensor: torch.Tensor) -> torch.dtype:
-        if self.export_dtype is not None and tensor.is_floating_point():
+    def _file_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        if self.export_dtype is not None and dtype.is_floating_point:
             return self.export_dtype
-        return tensor.dtype
-
-    def _write_file(
-        self, path: Path, planned: PlannedFile, tensors: Mapping[str, torch.Tensor]
-    ) -> None:
-        create_file(path, planned.header, planned.data_size)
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            for entry in planned.tensors:
-                # One tensor at a time: at most one converted copy is alive, never the model.
-                data = tensors[entry.name].detach().to("cpu", entry.dtype).contiguous()
-                write_tensor(fd, entry, data)
-        finally:
-            os.close(fd)
+        return dtype
 
     def _documents(self, module: torch.nn.Module) -> dict[str, Any]:
         """``config.json`` and ``generation_config.json`` contents, by file name."""
@@ -456,7 +487,11 @@ class ModelHandler:
             )
         with torch.no_grad():
             for name, tensor in loads:
-                _read_tensor(readers[name], name, tensor)
+                if is_dtensor(tensor):
+                    # Only the rows this rank holds, straight into its local shard.
+                    read_local(readers[name], name, tensor, out=tensor.to_local())  # type: ignore[attr-defined]
+                else:
+                    _read_tensor(readers[name], name, tensor)
         return module
 
     def _plan_restore(

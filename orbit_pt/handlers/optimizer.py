@@ -14,6 +14,12 @@ On disk (in the item's folder):
 - ``optimizer.msgpack``: ``{"format_version", "state", "param_groups", "param_shapes"}`` in the
   state handler's encoding, with parameter names in each group's ``params``.
 
+Under FSDP2 the state tensors that follow their parameter's sharding (``exp_avg``,
+``exp_avg_sq``, ``momentum_buffer``: DTensors) are written by every rank as its own rows of
+``optimizer.safetensors``, like the model's weights; plain tensors (``step``) and the msgpack
+file are written once, by rank 0. A restore rebuilds those DTensors with the live parameter's
+layout, reading only this rank's rows, so the state reshards to any number of ranks.
+
 The names come from the model saved or restored alongside the optimizer (see
 :class:`OptimizerHandler`). We do not use ``torch.distributed.checkpoint.state_dict`` here: on an
 optimizer that has not stepped yet, it takes a zero-learning-rate step to create the state, which
@@ -30,12 +36,19 @@ from typing import Any
 import msgpack
 import torch
 
-from orbit_pt._safetensors import SafetensorsReader, write_safetensors
+from orbit_pt._safetensors import SafetensorsReader, TensorEntry, build_header
+from orbit_pt._sharding import FileWrite, Piece, is_dtensor, piece_of, read_local, write_files
 from orbit_pt._staging import StagingPool
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, StateMismatchError
 from orbit_pt.handlers.base import HandlerContext
 from orbit_pt.handlers.model import parameter_names
-from orbit_pt.handlers.state import _check_refs, _encode, _materialize, _read_structure
+from orbit_pt.handlers.state import (
+    _check_refs,
+    _encode,
+    _materialize,
+    _read_structure,
+    _TensorRef,
+)
 
 STRUCTURE_FILE = "optimizer.msgpack"
 TENSORS_FILE = "optimizer.safetensors"
@@ -45,10 +58,10 @@ _MAX_LISTED = 50
 
 @dataclass(frozen=True)
 class _StagedOptimizer:
-    """An encoded optimizer: msgpack bytes, tensors by name, and the metadata info."""
+    """An encoded optimizer: msgpack bytes, this rank's tensor pieces by name, metadata info."""
 
     structure: bytes
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, Piece]
     info: dict[str, Any]
 
 
@@ -81,7 +94,12 @@ class OptimizerHandler:
         """Encode the state now and copy its tensors into reused host buffers."""
         staged = self._encode_state(_check_optimizer(item, "save"), context)
         self._pool.begin()
-        tensors = {name: self._pool.copy(name, t) for name, t in staged.tensors.items()}
+        tensors = {
+            name: piece
+            if piece.data is None
+            else Piece(piece.shape, piece.dtype, self._pool.copy(name, piece.data), piece.row)
+            for name, piece in staged.tensors.items()
+        }
         self._pool.finish()
         return _StagedOptimizer(staged.structure, tensors, staged.info)
 
@@ -90,8 +108,25 @@ class OptimizerHandler:
             staged = item
         else:
             staged = self._encode_state(_check_optimizer(item, "save"), context)
-        (directory / STRUCTURE_FILE).write_bytes(staged.structure)
-        write_safetensors(directory / TENSORS_FILE, staged.tensors)
+        pieces = staged.tensors
+        header, offsets = build_header((n, p.dtype, p.shape) for n, p in pieces.items())
+        entries = [TensorEntry(n, p.dtype, p.shape, *offsets[n]) for n, p in pieces.items()]
+        write_files(
+            [
+                FileWrite(
+                    directory / TENSORS_FILE,
+                    header,
+                    sum(e.nbytes for e in entries),
+                    tuple((e, pieces[e.name]) for e in entries),
+                )
+            ],
+            rank=context.rank,
+            world_size=context.world_size,
+            collective=context.collective,
+            what=f"the optimizer state in {directory}",
+        )
+        if context.rank == 0:
+            (directory / STRUCTURE_FILE).write_bytes(staged.structure)
         return staged.info
 
     def _encode_state(
@@ -120,7 +155,10 @@ class OptimizerHandler:
             "parameters": len(names),
             "tensors": len(tensors),
         }
-        return _StagedOptimizer(msgpack.packb(structure, use_bin_type=True), tensors, info)
+        # Collective for state that must be gathered (see _sharding.piece_of): same order on
+        # every rank, since every rank encodes the same state dict.
+        pieces = {name: piece_of(name, t, rank=context.rank) for name, t in tensors.items()}
+        return _StagedOptimizer(msgpack.packb(structure, use_bin_type=True), pieces, info)
 
     def restore(self, directory: Path, target: Any | None, context: HandlerContext) -> Any:
         structure = _read_structure(directory / STRUCTURE_FILE)
@@ -147,8 +185,13 @@ class OptimizerHandler:
                 {**_materialize(hyper, reader), "params": list(range(start, start + count))}
             )
             start += count
+        sharded = {
+            name: param
+            for name, param in zip(names, _params(optimizer), strict=True)
+            if is_dtensor(param)
+        }
         state = {
-            position[name]: _materialize(value, reader)
+            position[name]: _materialize_like(value, reader, sharded.get(name))
             for name, value in structure["state"].items()
         }
         try:
@@ -216,6 +259,38 @@ class OptimizerHandler:
             "configure CheckpointManager(..., handlers={'optimizer': "
             "OptimizerHandler(model_item='model')})"
         )
+
+
+def _materialize_like(value: Any, reader: SafetensorsReader, param: Any) -> Any:
+    """One parameter's saved state; tensors shaped like a DTensor ``param`` become DTensors.
+
+    Each such tensor is read as this rank's rows only and laid out like the parameter, so the
+    state fits the live (possibly differently sharded) optimizer.
+    """
+    if param is None or not isinstance(value, Mapping):
+        return _materialize(value, reader)
+    from torch.distributed.tensor import DTensor
+
+    out: dict[Any, Any] = {}
+    for key, sub in value.items():
+        if (
+            isinstance(sub, _TensorRef)
+            and not sub.as_numpy
+            and param.ndim > 0
+            and reader.entries[sub.name].shape == tuple(param.shape)
+        ):
+            local = read_local(reader, sub.name, param, out=None)
+            out[key] = DTensor.from_local(
+                local.to(param.to_local().device),
+                param.device_mesh,
+                param.placements,
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            )
+        else:
+            out[key] = _materialize(sub, reader)
+    return out
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
