@@ -104,8 +104,8 @@ class Collective:
             )
             own = f"; on this rank: {mine}" if mine is not None else ""
             raise AgreedError(
-                f"{what} failed: the ranks are out of step, because a rank failed before "
-                f"reaching it: {detail}{own}"
+                f"{what} failed: the ranks are out of step, because rank(s) {sorted(elsewhere)} "
+                f"failed before reaching it: {detail}{own}"
             ) from error
         if failed:
             if error is not None:

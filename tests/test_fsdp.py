@@ -241,11 +241,12 @@ def test_two_ranks_write_the_folder_one_process_writes(
         mgr.restore(2, {"recipe": RecipeState(rng=RNGState())})
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [3, 4])
 def test_restore_on_other_world_sizes(saved_on_two: tuple[Path, Path], world_size: int) -> None:
     root, ref = saved_on_two
-    exact = world_size == 2  # other world sizes average gradients in another order
-    run_ranks(world_size, _restore_on_ranks, str(root), str(ref), exact)
+    # Averaging gradients over 3 or 4 ranks rounds differently than over 2: resumed training
+    # matches to float tolerance; the restored state itself is bitwise equal.
+    run_ranks(world_size, _restore_on_ranks, str(root), str(ref), False)
 
 
 def test_one_process_checkpoint_restores_on_two_ranks(
@@ -289,7 +290,7 @@ def _fail_on_rank_1(rank: int, world_size: int, root: str) -> None:
         message = f"{info.value} {info.value.__cause__}"
         assert "no space left" in message
         if rank == 0:
-            assert "rank(s) [1]" in message
+            assert "rank(s) [1]" in message, message
         # 2. rank 1 fails in an earlier item, before the model handler's own agreement: the
         #    ranks are out of step, and every rank still fails instead of hanging
         first = _Explodes() if rank == 1 else {"ok": torch.ones(1)}
@@ -298,7 +299,7 @@ def _fail_on_rank_1(rank: int, world_size: int, root: str) -> None:
         message = f"{info.value} {info.value.__cause__}"
         assert "rank 1 cannot encode" in message
         if rank == 0:
-            assert "rank 1" in message
+            assert "rank(s) [1]" in message, message
         assert mgr.all_steps() == []
         # 3. the job goes on: the next save commits on every rank
         assert mgr.save(3, {"lm": lm, "lm_opt": opt2}, force=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 
@@ -40,8 +39,8 @@ def _write_meta(step_dir: Path, doc: dict) -> None:
     (step_dir / "_CHECKPOINT_METADATA").write_text(json.dumps(doc, indent=1, sort_keys=True))
 
 
-def _kinds(step_dir: Path, **kwargs: bool) -> dict[str, str]:
-    report = verify_step(step_dir, **kwargs)
+def _kinds(step_dir: Path) -> dict[str, str]:
+    report = verify_step(step_dir)
     return {p.path: p.kind for p in report.problems}
 
 
@@ -186,7 +185,7 @@ def test_a_symlink_in_place_of_a_file_is_not_followed(step_dir: Path) -> None:
     target = step_dir / "model" / "model.safetensors"
     moved = step_dir.parent / "elsewhere.safetensors"
     target.rename(moved)
-    os.symlink(moved, target)
+    target.symlink_to(moved)
     assert _kinds(step_dir) == {"model/model.safetensors": "not-a-file"}
 
 
