@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from orbit_pt import _safetensors
 from orbit_pt._dist import Collective
 from orbit_pt._safetensors import (
     SafetensorsReader,
@@ -36,7 +37,6 @@ from orbit_pt._safetensors import (
     create_file,
     read_range,
     tensor_bytes,
-    write_range,
 )
 from orbit_pt.errors import CheckpointValueError, CorruptCheckpointError
 
@@ -221,7 +221,7 @@ def write_piece(fd: int, entry: TensorEntry, piece: Piece) -> None:
             f"tensor {entry.name!r} has {len(view)} bytes but the file plan expects "
             f"{entry.nbytes}; it changed while being saved"
         )
-    write_range(fd, entry.start + offset, view)
+    _safetensors.write_range(fd, entry.start + offset, view)
 
 
 def _row_bytes(entry: TensorEntry) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orbit_pt import _checksum
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
 
 FORMAT_NAME = "orbit_pt"
@@ -74,6 +75,7 @@ class StepMetadata:
                 path: {"size": f.size, "checksum": f.checksum} for path, f in self.files.items()
             },
         }
+        doc["checksum"] = _self_checksum(doc)
         return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode()
 
     @classmethod
@@ -88,6 +90,12 @@ class StepMetadata:
                 raise ValueError(
                     f"format_version {version!r} is newer than this orbit_pt understands "
                     f"({FORMAT_VERSION}); upgrade orbit_pt to read it"
+                )
+            recorded = doc.pop("checksum", None)
+            if recorded != _self_checksum(doc):
+                raise ValueError(
+                    f"its checksum is {recorded!r} but its content hashes to "
+                    f"{_self_checksum(doc)!r}: it was changed after the commit"
                 )
             return cls(
                 step=_int(doc["step"], "step"),
@@ -118,6 +126,17 @@ class StepMetadata:
         except OSError as exc:
             raise CorruptCheckpointError(f"cannot read checkpoint metadata {path}: {exc}") from exc
         return cls.from_json(data, path=path)
+
+
+def _self_checksum(doc: Mapping[str, Any]) -> str:
+    """The metadata's checksum of itself: xxh3-64 of its canonical JSON without the checksum.
+
+    Canonical: keys sorted, no whitespace (separators "," and ":"), non-ASCII escaped, floats
+    in shortest round-trip form -- what ``json.dumps(..., sort_keys=True, separators=(",", ":"))``
+    writes. docs/format.md specifies it for other tools.
+    """
+    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return _checksum.of_bytes(canonical.encode())
 
 
 def validate_metrics(metrics: Mapping[str, Any] | None, *, step: int) -> dict[str, float]:

@@ -70,3 +70,16 @@ def test_truncated_or_deleted_file_is_found_even_without_verify(tmp_path: Path) 
         weights.unlink()
         with pytest.raises(CorruptCheckpointError, match="missing"):
             mgr.restore(3)
+
+
+def test_a_changed_metadata_value_makes_the_step_untrusted(tmp_path: Path) -> None:
+    import json
+
+    _save(tmp_path).close()
+    meta_path = tmp_path / "step_00000003" / "_CHECKPOINT_METADATA"
+    doc = json.loads(meta_path.read_text())
+    assert doc["checksum"].startswith("xxh3-64:")
+    doc["time"] += 1.0  # e.g. a hand edit, or a bit flip that still parses
+    meta_path.write_text(json.dumps(doc))
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.all_steps() == []

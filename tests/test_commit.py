@@ -30,6 +30,7 @@ from orbit_pt import (
     StepAlreadyExistsError,
     StepNotFoundError,
 )
+from orbit_pt.metadata import _self_checksum
 
 REPO = Path(__file__).resolve().parents[1]
 READ_ONLY = CheckpointManagerOptions(read_only=True)
@@ -117,6 +118,23 @@ GARBAGE_METADATA: list[bytes] = [
     b'{"format": "orbit_pt", "format_version": 1, "step": 5, "time": 0, "items": {}, '
     b'"files": {"a": {"size": "big"}}}',
     b"[" * 100_000,
+]
+# Checksummed (so they get past the metadata's checksum of itself) but still wrong inside.
+_BASE = {"format": "orbit_pt", "format_version": 1, "step": 5, "time": 0.0, "items": {}}
+GARBAGE_METADATA += [
+    json.dumps({**doc, "checksum": _self_checksum(doc)}).encode()
+    for doc in [
+        {**_BASE, "format": "other"},
+        {**_BASE, "format_version": 99},
+        {**_BASE, "step": "5"},
+        {**_BASE, "step": 5.0},
+        {**_BASE, "time": None},
+        {**_BASE, "items": []},
+        {**_BASE, "items": {"a": 1}},
+        {**_BASE, "files": {"a": {"size": "big"}}},
+        {**_BASE, "metrics": {"loss": "low"}},
+        {key: value for key, value in _BASE.items() if key != "items"},
+    ]
 ]
 
 

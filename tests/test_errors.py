@@ -6,6 +6,7 @@ A failed save commits nothing, leaves no temporary folder, and loses nothing com
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -33,6 +34,7 @@ from orbit_pt import (
     StepNotFoundError,
 )
 from orbit_pt.handlers import HandlerContext
+from orbit_pt.metadata import ItemMetadata
 
 BUILTIN_OF: dict[type[CheckpointError], type[Exception]] = {
     CheckpointValueError: ValueError,
@@ -307,10 +309,10 @@ def test_restore_with_a_different_handler_than_the_one_that_saved(tmp_path: Path
 
 
 def test_metadata_never_makes_orbit_pt_import_a_handler(mgr: CheckpointManager) -> None:
-    path = mgr.step_dir(2) / "_CHECKPOINT_METADATA"
-    doc = json.loads(path.read_bytes())
-    doc["items"]["s"]["handler"] = "os.system"
-    path.write_text(json.dumps(doc))
+    # A well-formed, correctly checksummed metadata file that names a handler we do not have.
+    meta = mgr.metadata(2)
+    forged = dataclasses.replace(meta, items={"s": ItemMetadata(handler="os.system")})
+    (mgr.step_dir(2) / "_CHECKPOINT_METADATA").write_bytes(forged.to_json())
     read_only = CheckpointManagerOptions(read_only=True)
     with (
         CheckpointManager(mgr.directory, options=read_only) as reader,

@@ -11,6 +11,7 @@ import torch
 
 from orbit_pt import CheckpointManager, CorruptCheckpointError, StepNotFoundError
 from orbit_pt.errors import CheckpointValueError
+from orbit_pt.metadata import _self_checksum
 from orbit_pt.verify import verify_step
 
 
@@ -35,7 +36,15 @@ def _meta(step_dir: Path) -> dict:
     return json.loads((step_dir / "_CHECKPOINT_METADATA").read_bytes())  # type: ignore[no-any-return]
 
 
-def _write_meta(step_dir: Path, doc: dict) -> None:
+def _write_meta(step_dir: Path, doc: dict, *, resign: bool = True) -> None:
+    """Write edited metadata; re-signed (its own checksum recomputed) unless ``resign=False``.
+
+    Re-signing models a consistent forgery, so that the checks on the files themselves are
+    what the test exercises; an unsigned edit is caught by the metadata's own checksum.
+    """
+    if resign:
+        doc = {k: v for k, v in doc.items() if k != "checksum"}
+        doc["checksum"] = _self_checksum(doc)
     (step_dir / "_CHECKPOINT_METADATA").write_text(json.dumps(doc, indent=1, sort_keys=True))
 
 
