@@ -188,7 +188,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("--dir", type=Path, default=None, help="output folder (default: a temp dir)")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="output folder (default: a temp dir)"
+    )
     parser.add_argument("--steps", type=int, default=80, help="training steps of each run")
     parser.add_argument(
         "--interrupt-after", type=int, default=35, help="send SIGTERM once this step is logged"
@@ -221,7 +223,9 @@ def main() -> None:
     took = _run("A1", run_a, [*job, f"--out={run_a}"], sigterm_after=args.interrupt_after)
     end = [r for r in read_log(run_a / "losses.jsonl") if r["event"] == "end"][-1]
     if not end["preempted"]:
-        raise SystemExit("run A finished before the SIGTERM arrived; use a smaller --interrupt-after")
+        raise SystemExit(
+            "run A finished before the SIGTERM arrived; use a smaller --interrupt-after"
+        )
     stopped = end["step"]
     print(f"   both ranks saved step {stopped} and exited 0 ({took:.1f} s); kept: {end['kept']}")
 
@@ -256,7 +260,9 @@ def main() -> None:
     print(f"\nreport ({time.monotonic() - total:.0f} s in all)")
     print(f"  steps saved      A: {saved(log_a)}\n                   B: {saved(log_b)}")
     print(f"  steps kept       A: {kept_a}\n                   B: {kept_b}")
-    print(f"  preempted at     step {stopped} (SIGTERM to rank 1 after step {args.interrupt_after})")
+    print(
+        f"  preempted at     step {stopped} (SIGTERM to rank 1 after step {args.interrupt_after})"
+    )
     print(f"  resumed from     step {resumed_from}")
     print(
         f"  final weights    {'bitwise equal' if same_weights else 'DIFFERENT'} "

@@ -44,7 +44,6 @@ from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tiny_llama import ByteTokenizer, TinyLlama, TinyLlamaConfig, write_base_model
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -66,7 +65,7 @@ TOKENIZER_FILES = (
 )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     """The command line (see ``--help``)."""
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -83,7 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--data",
         type=Path,
         default=None,
-        help=f"a UTF-8 text file to fine-tune on; by default {DEFAULT_DATA.relative_to(EXAMPLES.parent)}",
+        help="a UTF-8 text file to fine-tune on; by default a few of Aesop's fables "
+        "(examples/data/aesop.txt)",
     )
     parser.add_argument(
         "--out",
@@ -141,6 +141,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="cpu trains over gloo, cuda over nccl (one GPU per rank); auto picks cuda if present",
     )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line, with every number checked."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("steps", "batch_size", "seq_len", "save_every"):
         if getattr(args, name) < 1:
@@ -167,7 +173,12 @@ class ShuffledWindows:
     """
 
     def __init__(self, tokens: torch.Tensor, *, seq_len: int, global_batch: int, seed: int):
-        self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
+        self.tokens, self.seq_len, self.global_batch, self.seed = (
+            tokens,
+            seq_len,
+            global_batch,
+            seed,
+        )
         self.num_windows = (len(tokens) - 1) // seq_len
         self.steps_per_epoch = self.num_windows // global_batch
         if self.steps_per_epoch < 1:
@@ -184,7 +195,8 @@ class ShuffledWindows:
         if self.position == self.steps_per_epoch:  # drop the incomplete last batch
             self.epoch, self.position = self.epoch + 1, 0
         order = torch.randperm(
-            self.num_windows, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            self.num_windows,
+            generator=torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch),
         )
         batch = order[self.position * self.global_batch : (self.position + 1) * self.global_batch]
         self.position += 1
@@ -240,11 +252,15 @@ def load_base_model(args: argparse.Namespace, rank: int) -> tuple[nn.Module, Any
     )
     tokenizer_files = {n: args.model / n for n in TOKENIZER_FILES if (args.model / n).is_file()}
     if tokenizer_files:
-        tokenizer: Any = transformers.AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        tokenizer: Any = transformers.AutoTokenizer.from_pretrained(
+            args.model, local_files_only=True
+        )
     elif model.config.vocab_size >= ByteTokenizer.vocab_size:
         tokenizer = ByteTokenizer()
     else:
-        raise SystemExit(f"{args.model} has no tokenizer files and too small a vocabulary for bytes")
+        raise SystemExit(
+            f"{args.model} has no tokenizer files and too small a vocabulary for bytes"
+        )
     # Each checkpoint's model folder gets the tokenizer too, so it is a complete HF model.
     return model, tokenizer, ModelHandler(extra_files=tokenizer_files)
 
@@ -369,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     # head) belongs to the root. Each rank holds rows [r/n, (r+1)/n) of every parameter.
     mesh = init_device_mesh(device_type, (world_size,))
     model.to(device)
-    decoder = getattr(model, "model", model)
+    decoder: Any = getattr(model, "model", model)  # HF layout: the layers are model.model.layers
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -409,11 +425,11 @@ def main(argv: list[str] | None = None) -> None:
             logits = model(inputs)
             if not isinstance(logits, torch.Tensor):  # a transformers model returns an output
                 logits = logits.logits
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
             loss.backward()
             if args.max_grad_norm > 0:
                 nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            lr = scheduler.get_last_lr()[0]
+            lr = float(scheduler.get_last_lr()[0])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()

@@ -107,7 +107,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="training steps in all")
     parser.add_argument("--interrupt-at", type=int, default=37, help="step to stop the 2nd run at")
     parser.add_argument("--save-every", type=int, default=10, help="save_interval_steps")
-    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where to write (default: a temp dir)"
+    )
     args = parser.parse_args()
     root = args.dir or Path(tempfile.mkdtemp(prefix="orbit_pt-quickstart-"))
 

@@ -17,7 +17,6 @@ from a seed, and :class:`ByteTokenizer`, a byte-level tokenizer that needs no vo
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from dataclasses import asdict, dataclass
@@ -25,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from orbit_pt.handlers import HandlerContext, ModelHandler
@@ -180,8 +178,9 @@ class Attention(nn.Module):
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5)
+        projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        return projected
 
 
 class MLP(nn.Module):
@@ -194,7 +193,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -209,7 +209,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
 
 
 class LlamaBody(nn.Module):
@@ -248,7 +249,8 @@ class TinyLlama(nn.Module):
         cos, sin = rotary_cos_sin(self.config, input_ids.shape[1], x.device, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
-        return self.lm_head(self.model.norm(x))
+        logits: torch.Tensor = self.lm_head(self.model.norm(x))
+        return logits
 
     def reset_parameters(self, generator: torch.Generator) -> None:
         """Llama's initialisation (normal weights, unit norms), drawn from ``generator`` only."""
@@ -306,13 +308,3 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         """The text of ``ids``; special and out-of-range ids are dropped."""
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
-
-
-def parameter_count(model: nn.Module) -> int:
-    """Distinct parameters (a tied head counted once)."""
-    return sum(p.numel() for p in model.parameters())
-
-
-def perplexity(loss: float) -> float:
-    """``exp(loss)``, capped so that a diverged loss prints as inf rather than raising."""
-    return math.exp(loss) if loss < 80 else math.inf

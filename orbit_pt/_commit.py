@@ -224,7 +224,9 @@ class StepStore:
         outcome = dist.broadcast(committed)
         assert outcome is not None  # rank 0 returns it; broadcast hands it to every rank
         meta_json, superseded = outcome
-        meta = StepMetadata.from_json(meta_json, path=self.step_path(step) / _layout.METADATA_FILE)
+        meta = StepMetadata.from_json(
+            meta_json.encode(), path=self.step_path(step) / _layout.METADATA_FILE
+        )
         with self._mutex:
             for victim in superseded:
                 self._committed.pop(victim, None)
@@ -276,7 +278,7 @@ class StepStore:
         build: BuildMetadata,
         *,
         primary: bool,
-    ) -> tuple[bytes, list[int]] | None:
+    ) -> tuple[str, list[int]] | None:
         if not primary:
             return None
         files = {}
@@ -291,7 +293,7 @@ class StepStore:
         superseded = self._supersede_from(step)
         os.replace(tmp, self.step_path(step))
         _fs.fsync_path(self.root)
-        return meta.to_json(), superseded
+        return meta.to_json().decode(), superseded
 
     def _supersede_from(self, step: int) -> list[int]:
         """Move ``step`` and every newer committed step into ``superseded/``, newest first.

@@ -7,6 +7,7 @@ never puts a NCCL collective on a background thread. On one process every method
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -14,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from orbit_pt._safetensors import tensor_bytes
 from orbit_pt.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -23,6 +25,20 @@ T = TypeVar("T")
 
 class AgreedError(CheckpointError):
     """A failure that every rank has already agreed on (see :meth:`Collective.run_everywhere`)."""
+
+
+def _encode(value: Any) -> torch.Tensor:
+    data = json.dumps(value, allow_nan=False).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _decode(payload: torch.Tensor) -> Any:
+    # numpy is not a dependency: read the bytes through a zero-copy view of the tensor.
+    return json.loads(bytes(tensor_bytes(payload.contiguous())) if payload.numel() else b"null")
+
+
+def _json_round_trip(value: Any) -> Any:
+    return json.loads(json.dumps(value, allow_nan=False))
 
 
 class Collective:
@@ -50,20 +66,37 @@ class Collective:
         if self.enabled:
             dist.barrier(group=self.group)
 
-    def broadcast(self, value: T) -> T:
-        """Rank 0's ``value`` on every rank (any JSON-able or plain Python object)."""
-        if not self.enabled:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=self._global(0), group=self.group)
-        return box[0]
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank.
 
-    def all_gather(self, value: T) -> list[T]:
+        Values travel as JSON (never pickle, even between trusted ranks), so they must be
+        JSON-able; tuples arrive as lists. On one process the value makes the same round trip,
+        so a value that only works on one process is caught by the single-process tests too.
+        """
         if not self.enabled:
-            return [value]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value, group=self.group)
-        return out
+            return _json_round_trip(value)
+        payload = _encode(value) if self.rank == 0 else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        dist.broadcast(size, src=self._global(0), group=self.group)
+        if self.rank != 0:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(payload, src=self._global(0), group=self.group)
+        return _decode(payload)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order (JSON-able values, as for :meth:`broadcast`)."""
+        if not self.enabled:
+            return [_json_round_trip(value)]
+        payload = _encode(value)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(gathered, padded, group=self.group)
+        return [_decode(g[: int(n.item())]) for g, n in zip(gathered, sizes, strict=True)]
 
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is True on any rank (an all-reduce MAX)."""

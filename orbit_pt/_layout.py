@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from orbit_pt.errors import CheckpointValueError
+
 STEP_PREFIX = "step_"
 TMP_SUFFIX = ".orbit-tmp"
 # A committed step being deleted is first renamed to this suffix, so that a crash in the middle
@@ -41,3 +43,30 @@ def parse_step_name(name: str) -> int | None:
 def tmp_name(step: int) -> str:
     """The folder a step is written into before its commit."""
     return step_name(step) + TMP_SUFFIX
+
+
+def check_item_name(name: object) -> str:
+    """``name`` if it can be an item's folder inside a step, else a CheckpointValueError."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointValueError(f"item names must be non-empty strings, got {name!r}")
+    if (
+        name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or name.startswith((".", "_"))
+        or name != name.strip()
+    ):
+        raise CheckpointValueError(
+            f"item name {name!r} cannot be a folder name inside a step: use letters, digits, "
+            "'-' and '_' (not first), with no '/', '\\', leading '.' or '_', e.g. 'model'"
+        )
+    return name
+
+
+def check_relative_path(path: str) -> str:
+    """``path`` if it is a '/'-separated path that stays inside a step folder."""
+    parts = path.split("/")
+    if not path or path.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\0" in path:
+        raise CheckpointValueError(f"{path!r} is not a relative path inside a step folder")
+    return path

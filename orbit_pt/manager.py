@@ -11,7 +11,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from orbit_pt import _progress, _version
+from orbit_pt import _layout, _progress, _version
 from orbit_pt._background import BackgroundSaver
 from orbit_pt._commit import StepStore
 from orbit_pt._dist import Collective
@@ -64,7 +64,7 @@ class CheckpointManager:
             )
         self._handlers = dict(handlers or {})
         for name, handler in self._handlers.items():
-            _check_item_name(name)
+            _layout.check_item_name(name)
             if not isinstance(handler, Handler):
                 raise CheckpointTypeError(
                     f"handlers[{name!r}] must implement the Handler protocol (name, save, "
@@ -469,7 +469,7 @@ class CheckpointManager:
             raise CheckpointValueError("items is empty; give at least one item to save")
         return {
             name: self._handlers.get(name)
-            or default_handler(item, item_name=_check_item_name(name))
+            or default_handler(item, item_name=_layout.check_item_name(name))
             for name, item in items.items()
         }
 
@@ -522,21 +522,3 @@ def _check_step(step: object) -> int:
     if step < 0:
         raise CheckpointValueError(f"step must be >= 0, got {step}")
     return step
-
-
-def _check_item_name(name: object) -> str:
-    if not isinstance(name, str) or not name:
-        raise CheckpointValueError(f"item names must be non-empty strings, got {name!r}")
-    if (
-        name in (".", "..")
-        or "/" in name
-        or "\\" in name
-        or "\0" in name
-        or name.startswith((".", "_"))
-        or name != name.strip()
-    ):
-        raise CheckpointValueError(
-            f"item name {name!r} cannot be a folder name inside a step: use letters, digits, "
-            "'-' and '_' (not first), with no '/', '\\', leading '.' or '_', e.g. 'model'"
-        )
-    return name

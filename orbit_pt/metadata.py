@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orbit_pt import _checksum
+from orbit_pt import _checksum, _layout
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
 
 FORMAT_NAME = "orbit_pt"
@@ -100,14 +100,20 @@ class StepMetadata:
             return cls(
                 step=_int(doc["step"], "step"),
                 time=float(doc["time"]),
+                # Names and paths are checked so that a forged metadata file can never make a
+                # restore read outside the step folder.
                 items={
-                    str(name): ItemMetadata(handler=str(item["handler"]), info=item.get("info", {}))
+                    _layout.check_item_name(name): ItemMetadata(
+                        handler=str(item["handler"]), info=item.get("info", {})
+                    )
                     for name, item in doc["items"].items()
                 },
                 metrics={str(k): float(v) for k, v in doc.get("metrics", {}).items()},
                 world_size=_int(doc.get("world_size", 1), "world_size"),
                 files={
-                    str(p): FileMetadata(size=_int(f["size"], "size"), checksum=f.get("checksum"))
+                    _layout.check_relative_path(p): FileMetadata(
+                        size=_int(f["size"], "size"), checksum=f.get("checksum")
+                    )
                     for p, f in doc.get("files", {}).items()
                 },
                 orbit_pt_version=str(doc.get("orbit_pt_version", "")),

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import finetune_fsdp  # noqa: E402
+import finetune_fsdp
 
-from orbit_pt import CheckpointManager  # noqa: E402
+from orbit_pt import CheckpointManager
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -91,13 +91,15 @@ def main(argv: Sequence[str]) -> None:
                 os.kill(os.getpid(), signal.Signals[f"SIG{args.signal}"])
             return super().reached_preemption(step)
 
-        def restore(self, step: int | None = None, items: Any = None) -> dict[str, Any]:
-            restored = super().restore(step, items)
+        def restore(
+            self, step: int | None = None, items: Any = None, **kwargs: Any
+        ) -> dict[str, Any]:
+            restored = super().restore(step, items, **kwargs)
             if args.dump_restored is not None and isinstance(items, Mapping):
                 dump_restored(args.dump_restored, restored)
             return restored
 
-    finetune_fsdp.CheckpointManager = InstrumentedManager  # type: ignore[misc]
+    setattr(finetune_fsdp, "CheckpointManager", InstrumentedManager)  # noqa: B010
     finetune_fsdp.main(args.finetune_args)
 
 

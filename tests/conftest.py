@@ -10,16 +10,19 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+# database=None: no .hypothesis/ folder written into the current directory.
 settings.register_profile(
     "default",
     max_examples=25,
     deadline=None,
+    database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.register_profile(
     "slow",
     max_examples=300,
     deadline=None,
+    database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

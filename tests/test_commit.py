@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from orbit_pt import (
     StepAlreadyExistsError,
     StepNotFoundError,
 )
-from orbit_pt.metadata import _self_checksum
+from orbit_pt.metadata import StepMetadata, _self_checksum
 
 REPO = Path(__file__).resolve().parents[1]
 READ_ONLY = CheckpointManagerOptions(read_only=True)
@@ -119,23 +120,30 @@ GARBAGE_METADATA: list[bytes] = [
     b'"files": {"a": {"size": "big"}}}',
     b"[" * 100_000,
 ]
-# Checksummed (so they get past the metadata's checksum of itself) but still wrong inside.
-_BASE = {"format": "orbit_pt", "format_version": 1, "step": 5, "time": 0.0, "items": {}}
-GARBAGE_METADATA += [
-    json.dumps({**doc, "checksum": _self_checksum(doc)}).encode()
-    for doc in [
-        {**_BASE, "format": "other"},
-        {**_BASE, "format_version": 99},
-        {**_BASE, "step": "5"},
-        {**_BASE, "step": 5.0},
-        {**_BASE, "time": None},
-        {**_BASE, "items": []},
-        {**_BASE, "items": {"a": 1}},
-        {**_BASE, "files": {"a": {"size": "big"}}},
-        {**_BASE, "metrics": {"loss": "low"}},
-        {key: value for key, value in _BASE.items() if key != "items"},
-    ]
+# Checksummed, so that they get past the metadata's checksum of itself, but wrong inside.
+SIGNED_GARBAGE: list[Callable[[dict[str, Any]], dict[str, Any]]] = [
+    lambda doc: {**doc, "format": "other"},
+    lambda doc: {**doc, "format_version": 99},
+    lambda doc: {**doc, "step": str(doc["step"])},
+    lambda doc: {**doc, "step": float(doc["step"])},
+    lambda doc: {**doc, "time": None},
+    lambda doc: {**doc, "items": []},
+    lambda doc: {**doc, "items": {"a": 1}},
+    lambda doc: {**doc, "files": {"a": {"size": "big"}}},
+    lambda doc: {**doc, "metrics": {"loss": "low"}},
+    lambda doc: {key: value for key, value in doc.items() if key != "items"},
 ]
+
+
+def signed_garbage(step: int) -> list[bytes]:
+    base = {"format": "orbit_pt", "format_version": 1, "step": step, "time": 0.0, "items": {}}
+    # The unmodified base is accepted: so each variant is refused for its own flaw alone.
+    assert StepMetadata.from_json(sign(base), path=Path("x")).step == step
+    return [sign(variant(base)) for variant in SIGNED_GARBAGE]
+
+
+def sign(doc: dict[str, Any]) -> bytes:
+    return json.dumps({**doc, "checksum": _self_checksum(doc)}).encode()
 
 
 def test_only_committed_steps_are_listed(root: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -145,10 +153,12 @@ def test_only_committed_steps_are_listed(root: Path, caplog: pytest.LogCaptureFi
     (root / "step_00000003" / "s").mkdir(parents=True)
     (root / "step_00000003" / "s" / "state.msgpack").write_bytes(b"\x80")
     # Unreadable metadata, in every way we can think of.
-    for i, garbage in enumerate(GARBAGE_METADATA):
-        folder = root / f"step_{100 + i:08d}"
-        folder.mkdir()
-        (folder / "_CHECKPOINT_METADATA").write_bytes(garbage)
+    unsigned, count = len(GARBAGE_METADATA), len(GARBAGE_METADATA) + len(SIGNED_GARBAGE)
+    for i in range(count):
+        step = 100 + i
+        data = GARBAGE_METADATA[i] if i < unsigned else signed_garbage(step)[i - unsigned]
+        (root / f"step_{step:08d}").mkdir()
+        (root / f"step_{step:08d}" / "_CHECKPOINT_METADATA").write_bytes(data)
     # Metadata that is a folder, not a file.
     (root / "step_00000004" / "_CHECKPOINT_METADATA").mkdir(parents=True)
     # Metadata of another step: the folder was renamed by hand.
@@ -172,7 +182,7 @@ def test_only_committed_steps_are_listed(root: Path, caplog: pytest.LogCaptureFi
     assert tree(root) == foreign
     # Each unreadable metadata file is logged with its folder, so a user can find it.
     logged = caplog.text
-    for i in range(len(GARBAGE_METADATA)):
+    for i in range(count):
         assert f"step_{100 + i:08d}" in logged
     assert "step_00000005" in logged
 
