@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Set-up and everyday commands for orbit_pt, on a fresh machine with only Python 3.10+.
 
-    python3 dev.py demo     # the main demo
+    python3 dev.py demo     # the demo: a 2-rank FSDP fine-tune, preempted, resumed, compared
     python3 dev.py test     # the test suite (extra arguments go to pytest)
     python3 dev.py lint     # ruff check, ruff format --check, mypy
     python3 dev.py docs     # the docs site (mkdocs build --strict) into ./site
@@ -30,7 +30,7 @@ STAMP = VENV / ".orbit-pt-installed"
 
 def ensure_venv() -> None:
     """Create .venv and install orbit_pt with its dev extra, unless already up to date."""
-    if sys.version_info < (3, 10):
+    if sys.version_info < (3, 10):  # noqa: UP036 -- dev.py runs before anything is installed
         sys.exit(f"orbit_pt needs Python 3.10 or newer; this is {sys.version.split()[0]}")
     wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + TORCH.encode()).hexdigest()
     if STAMP.is_file() and STAMP.read_text() == wanted and PYTHON.exists():
@@ -53,7 +53,7 @@ def main() -> int:
     command, rest = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("help", [])
     if command == "demo":
         ensure_venv()
-        return run("examples/quickstart.py", *rest)
+        return run("examples/demo.py", *rest)
     if command == "test":
         ensure_venv()
         return run("-m", "pytest", "-m", "not slow", *rest)

@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
             f"fine-tuning {sum(p.numel() for p in model.parameters()):,} parameters on "
             f"{world_size} rank(s) ({device_type}), {batches.num_windows} sequences of "
             f"{args.seq_len} tokens, {batches.steps_per_epoch} steps per epoch; "
-            + (f"resumed from step {resume_from}" if resume_from is not None else "from the base")
+            + (f"resumed from step {resume_from}" if resume_from is not None else "from the base model")
         )
 
         step, preempted = recipe.step, False
