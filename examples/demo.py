@@ -102,20 +102,6 @@ def losses_by_step(records: list[dict[str, Any]]) -> dict[int, str]:
     return {r["step"]: r["loss_hex"] for r in records if r["event"] == "step"}
 
 
-def wait_until(
-    predicate: Any, procs: Sequence[subprocess.Popen[bytes]], timeout: float = 300.0
-) -> bool:
-    """Poll ``predicate()`` until it is true (True) or every process has exited (False)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        if all(p.poll() is not None for p in procs):
-            return bool(predicate())
-        time.sleep(0.005)
-    raise TimeoutError(f"nothing happened for {timeout:.0f} s")
-
-
 def wait_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 300.0) -> list[int]:
     """Every process's exit code, killing any still running after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -144,24 +130,63 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(name: str, out: Path, job: list[str], *, sigterm_after: int | None = None) -> float:
+def _run(
+    name: str, out: Path, job: list[str], steps: int, *, sigterm_after: int | None = None
+) -> float:
     """One launch of the 2-rank job; optionally SIGTERM rank 1 once rank 0 logged a step."""
     started = time.monotonic()
     procs = launch_ranks(2, [str(FINETUNE), *job], log=out / f"{name}.log")
-    if sigterm_after is not None:
-
-        def reached() -> bool:
-            steps = [r["step"] for r in read_log(out / "losses.jsonl") if r["event"] == "step"]
-            return bool(steps) and steps[-1] >= sigterm_after
-
-        if wait_until(reached, procs):
-            os.kill(procs[1].pid, signal.SIGTERM)
-            print(f"   sent SIGTERM to rank 1 (pid {procs[1].pid}) after step {sigterm_after}")
-    codes = wait_all(procs)
+    tty = sys.stdout.isatty()
+    sent = False
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() - started > 600:
+                raise TimeoutError(f"{name} ran for 10 minutes; see {out / f'{name}.log'}")
+            logged = [r["step"] for r in read_log(out / "losses.jsonl") if r["event"] == "step"]
+            last = logged[-1] if logged else None
+            if (
+                sigterm_after is not None
+                and not sent
+                and last is not None
+                and last >= sigterm_after
+            ):
+                os.kill(procs[1].pid, signal.SIGTERM)
+                sent = True
+                carriage = "\r" if tty else ""
+                print(f"{carriage}   sent SIGTERM to rank 1 (pid {procs[1].pid}) after step {last}")
+            elif tty and last is not None:
+                print(f"\r   step {last}/{steps - 1}", end="", flush=True)
+            time.sleep(0.05)
+    except BaseException:  # Ctrl-C or a timeout: leave no rank behind
+        for proc in procs:
+            proc.kill()
+        raise
+    codes = wait_all(procs, timeout=60)
+    if tty:
+        print("\r" + " " * 40 + "\r", end="")
     if any(codes):
         print((out / f"{name}.log").read_text(errors="replace")[-3000:])
         raise SystemExit(f"{name}: the ranks exited with {codes}; see {out / f'{name}.log'}")
     return time.monotonic() - started
+
+
+def _loads_in_transformers(checkpoints: Path, step: int) -> str:
+    """Whether transformers' Llama loads the step's model folder and computes the same logits."""
+    try:
+        import transformers
+    except ImportError:
+        return "(transformers is not installed)"
+    from tiny_llama import TinyLlama
+
+    with CheckpointManager(checkpoints, options=CheckpointManagerOptions(read_only=True)) as mgr:
+        folder = mgr.step_dir(step) / "model"
+    transformers.logging.set_verbosity_error()
+    ids = torch.tensor([list(b"The Fox and the Grapes")])
+    with torch.no_grad():
+        theirs = transformers.LlamaForCausalLM.from_pretrained(folder)(ids).logits
+        ours = TinyLlama.from_pretrained(folder)(ids)
+    same = torch.allclose(theirs, ours, rtol=1e-5, atol=1e-5)
+    return f"LlamaForCausalLM.from_pretrained: {'same logits' if same else 'DIFFERENT logits'}"
 
 
 def _plot(a: dict[int, float], b: dict[int, float], path: Path) -> bool:
@@ -214,13 +239,17 @@ def main() -> None:
     ]
     run_a, run_b = root / "A-preempted", root / "B-uninterrupted"
     for folder in (run_a, run_b):
-        folder.mkdir(parents=True, exist_ok=True)
+        if folder.exists():
+            raise SystemExit(f"{folder} exists from an earlier demo; pass another --dir")
+        folder.mkdir(parents=True)
     print("orbit_pt demo: full fine-tuning of a small Llama on Aesop's fables under FSDP2,")
     print(f"2 ranks on CPU (gloo), {args.steps} steps, async saves every {args.save_every} steps\n")
     total = time.monotonic()
 
     print("1. run A, preempted partway")
-    took = _run("A1", run_a, [*job, f"--out={run_a}"], sigterm_after=args.interrupt_after)
+    took = _run(
+        "A1", run_a, [*job, f"--out={run_a}"], args.steps, sigterm_after=args.interrupt_after
+    )
     end = [r for r in read_log(run_a / "losses.jsonl") if r["event"] == "end"][-1]
     if not end["preempted"]:
         raise SystemExit(
@@ -230,13 +259,13 @@ def main() -> None:
     print(f"   both ranks saved step {stopped} and exited 0 ({took:.1f} s); kept: {end['kept']}")
 
     print("2. run A started again")
-    took = _run("A2", run_a, [*job, f"--out={run_a}"])
+    took = _run("A2", run_a, [*job, f"--out={run_a}"], args.steps)
     log_a = read_log(run_a / "losses.jsonl")
     resumed_from = [r for r in log_a if r["event"] == "start"][-1]["resumed_from"]
     print(f"   resumed from step {resumed_from}, trained to step {args.steps - 1} ({took:.1f} s)")
 
     print("3. run B, the same job uninterrupted")
-    took = _run("B", run_b, [*job, f"--out={run_b}"])
+    took = _run("B", run_b, [*job, f"--out={run_b}"], args.steps)
     log_b = read_log(run_b / "losses.jsonl")
     print(f"   trained steps 0..{args.steps - 1} ({took:.1f} s)")
 
@@ -272,6 +301,7 @@ def main() -> None:
         f"  loss curve       {'bitwise equal' if same_losses else 'DIFFERENT'} "
         f"({len(losses_b)} steps, loss {first:.3f} -> {last:.3f})"
     )
+    print(f"  HF folder        {_loads_in_transformers(run_a / 'checkpoints', step_a)}")
     print(f"  plot             {png if plotted else '(pip install matplotlib for a PNG)'}")
     print(f"  everything is under {root}")
     if not (same_weights and same_losses):

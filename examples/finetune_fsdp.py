@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--model",
+        metavar="PATH",
         type=Path,
         default=None,
         help="a local Hugging Face causal-LM folder to fine-tune (needs transformers); by "
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--data",
+        metavar="FILE",
         type=Path,
         default=None,
         help="a UTF-8 text file to fine-tune on; by default a few of Aesop's fables "
@@ -87,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--out",
+        metavar="DIR",
         type=Path,
         default=Path("runs/finetune"),
         help="output folder: checkpoints/ (orbit_pt's root), losses.jsonl (rank 0's log of "
@@ -130,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--load-step",
+        metavar="N",
         type=int,
         default=None,
         help="resume from this committed step instead of the latest (torchtitan's load_step); "
@@ -416,7 +420,11 @@ def main(argv: list[str] | None = None) -> None:
             f"fine-tuning {sum(p.numel() for p in model.parameters()):,} parameters on "
             f"{world_size} rank(s) ({device_type}), {batches.num_windows} sequences of "
             f"{args.seq_len} tokens, {batches.steps_per_epoch} steps per epoch; "
-            + (f"resumed from step {resume_from}" if resume_from is not None else "from the base model")
+            + (
+                f"resumed from step {resume_from}"
+                if resume_from is not None
+                else "from the base model"
+            )
         )
 
         step, preempted = recipe.step, False

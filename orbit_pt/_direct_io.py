@@ -20,7 +20,7 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from orbit_pt import _progress
@@ -61,19 +61,30 @@ class RangeWriter:
         return self._direct_fd is not None
 
     def write(
-        self, offset: int, views: Sequence[memoryview], checksum: Checksum | None = None
+        self,
+        offset: int,
+        views: Iterable[memoryview],
+        checksum: Checksum | None = None,
+        *,
+        size: int | None = None,
     ) -> None:
-        """Write the concatenation of ``views`` at ``offset``; feed the bytes to ``checksum``."""
-        total = sum(len(v) for v in views)
-        stream = _Stream(views)
-        if self._direct_fd is None or total < _DIRECT_MIN:
-            self._pwrite(offset, stream.take(total), checksum)
+        """Write the concatenation of ``views`` at ``offset``; feed the bytes to ``checksum``.
+
+        ``views`` may be a lazy iterable (each view produced only when the writer reaches it,
+        so converted copies never pile up); then ``size``, their total length, is required.
+        """
+        if size is None:
+            views = list(views)
+            size = sum(len(v) for v in views)
+        stream = _Stream(iter(views))
+        if self._direct_fd is None or size < _DIRECT_MIN:
+            self._pwrite(offset, stream.take(size), checksum)
             return
         head = (-offset) % ALIGN
-        body = (total - head) // ALIGN * ALIGN
+        body = (size - head) // ALIGN * ALIGN
         self._pwrite(offset, stream.take(head), checksum)
-        _write_direct(self._direct_fd, offset + head, stream.take(body), body, checksum)
-        self._pwrite(offset + head + body, stream.take(total - head - body), checksum)
+        _write_direct(self._direct_fd, offset + head, stream.take(body), checksum)
+        self._pwrite(offset + head + body, stream.take(size - head - body), checksum)
 
     def _pwrite(self, offset: int, chunks: Iterator[memoryview], checksum: Checksum | None) -> None:
         for chunk in chunks:
@@ -96,24 +107,25 @@ class RangeWriter:
 
 
 class _Stream:
-    """Consumes a sequence of buffers as one byte stream, in pieces."""
+    """Consumes an iterator of buffers as one byte stream, in pieces."""
 
-    def __init__(self, views: Sequence[memoryview]) -> None:
-        self._views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
-        self._index = 0
-        self._pos = 0
+    def __init__(self, views: Iterator[memoryview]) -> None:
+        self._views = views
+        self._current = memoryview(b"")
 
     def take(self, n: int) -> Iterator[memoryview]:
         while n > 0:
-            view = self._views[self._index]
-            piece = view[self._pos : self._pos + n]
-            self._pos += len(piece)
+            if not self._current:
+                try:
+                    view = next(self._views)
+                except StopIteration:
+                    raise ValueError(f"the stream ended {n} bytes short") from None
+                self._current = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+                continue
+            piece = self._current[:n]
+            self._current = self._current[len(piece) :]
             n -= len(piece)
-            if self._pos == len(view):
-                self._index += 1
-                self._pos = 0
-            if len(piece):
-                yield piece
+            yield piece
 
 
 class _BouncePool:
@@ -133,9 +145,9 @@ class _BouncePool:
 
 
 def _write_direct(
-    fd: int, offset: int, chunks: Iterator[memoryview], size: int, checksum: Checksum | None
+    fd: int, offset: int, chunks: Iterator[memoryview], checksum: Checksum | None
 ) -> None:
-    """Write ``size`` bytes (a multiple of ALIGN) at the aligned ``offset`` with O_DIRECT."""
+    """Write ``chunks`` (a multiple of ALIGN bytes in all) at the aligned ``offset``."""
     free = _BouncePool.get()
     jobs: queue.Queue[tuple[mmap.mmap, int, int] | None] = queue.Queue()
     errors: list[BaseException] = []

@@ -25,7 +25,7 @@ import torch
 
 from orbit_pt import _checksum, _progress
 from orbit_pt._direct_io import RangeWriter
-from orbit_pt.errors import CheckpointTypeError, CorruptCheckpointError
+from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
 
 DTYPE_TO_NAME: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -66,11 +66,16 @@ class TensorEntry:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor (kept alive by the caller)."""
+    """A zero-copy byte view of a contiguous CPU tensor; the view keeps the tensor alive."""
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise CheckpointValueError("tensor_bytes needs a contiguous CPU tensor")
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(b"")
     buffer = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
+    # The view refers to the ctypes array, which refers to the tensor: the memory cannot be
+    # freed while any slice of the view is still in use (say, by a writer thread).
+    buffer._orbit_pt_owner = tensor  # type: ignore[attr-defined]
     return memoryview(buffer).cast("B")
 
 

@@ -20,6 +20,7 @@ What each rank writes of one tensor is a :class:`Piece`:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 from collections.abc import Sequence
@@ -29,7 +30,9 @@ from typing import Any
 
 import torch
 
-from orbit_pt import _safetensors
+from orbit_pt import _checksum
+from orbit_pt._checksum import Checksum
+from orbit_pt._direct_io import RangeWriter
 from orbit_pt._dist import Collective
 from orbit_pt._safetensors import (
     SafetensorsReader,
@@ -193,35 +196,61 @@ def write_files(
         for f in files:
             create_file(f.path, f.header, f.data_size)
     for f in files:
-        mine = [(e, p) for e, p in f.pieces if p.data is not None and p.data.numel()]
+        mine = sorted(
+            ((e, p) for e, p in f.pieces if p.data is not None and p.data.numel()),
+            key=lambda ep: ep[0].start + ep[1].row * _row_bytes(ep[0]),
+        )
         if not mine:
             continue
-        fd = os.open(f.path, os.O_WRONLY)
+        writer = RangeWriter(f.path)
         try:
-            for entry, piece in mine:
-                write_piece(fd, entry, piece)
+            if world_size == 1 and _covers_file(f, mine):
+                # One writer for the whole file: stream it in order and hash it on the way,
+                # so the commit need not read it back for its checksum.
+                checksum = Checksum()
+                views = (tensor_bytes(_piece_bytes(e, p)) for e, p in mine)
+                size = len(f.header) + f.data_size
+                writer.write(0, itertools.chain([memoryview(f.header)], views), checksum, size=size)
+                _checksum.record(f.path, checksum.value())
+            else:
+                for entry, piece in mine:
+                    data = _piece_bytes(entry, piece)
+                    offset = entry.start + piece.row * _row_bytes(entry)
+                    writer.write(offset, [tensor_bytes(data)])
         finally:
-            os.close(fd)
+            writer.close()
 
 
-def write_piece(fd: int, entry: TensorEntry, piece: Piece) -> None:
-    """Write ``piece`` (cast to the planned dtype, on CPU) at its rows' offset in the file."""
+def _covers_file(f: FileWrite, mine: Sequence[tuple[TensorEntry, Piece]]) -> bool:
+    """Whether ``mine`` are whole tensors that tile the file's data section in order."""
+    position = len(f.header)
+    for entry, piece in mine:
+        if piece.row != 0 or entry.start != position or piece.data is None:
+            return False
+        if piece.data.numel() * entry.dtype.itemsize != entry.nbytes:
+            return False
+        position = entry.end
+    return position == len(f.header) + f.data_size
+
+
+def _piece_bytes(entry: TensorEntry, piece: Piece) -> torch.Tensor:
+    """``piece`` as contiguous CPU memory of the planned dtype, checked against the plan."""
     assert piece.data is not None
-    # One piece at a time: at most one converted copy is alive, never the whole state.
+    # Converted one piece at a time: at most one converted copy is alive, never the state.
     data = piece.data.detach().to("cpu", entry.dtype).contiguous()
-    view = tensor_bytes(data)
+    nbytes = data.numel() * data.element_size()
     offset = piece.row * _row_bytes(entry)
-    if offset + len(view) > entry.nbytes:
+    if offset + nbytes > entry.nbytes:
         raise CheckpointValueError(
-            f"tensor {entry.name!r}: {len(view)} bytes from row {piece.row} do not fit its "
+            f"tensor {entry.name!r}: {nbytes} bytes from row {piece.row} do not fit its "
             f"{entry.nbytes} bytes in the file plan; it changed while being saved"
         )
-    if piece.row == 0 and tuple(data.shape) == entry.shape and len(view) != entry.nbytes:
+    if piece.row == 0 and tuple(data.shape) == entry.shape and nbytes != entry.nbytes:
         raise CheckpointValueError(
-            f"tensor {entry.name!r} has {len(view)} bytes but the file plan expects "
+            f"tensor {entry.name!r} has {nbytes} bytes but the file plan expects "
             f"{entry.nbytes}; it changed while being saved"
         )
-    _safetensors.write_range(fd, entry.start + offset, view)
+    return data
 
 
 def _row_bytes(entry: TensorEntry) -> int:

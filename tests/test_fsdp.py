@@ -24,13 +24,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-import orbit_pt._safetensors
 from orbit_pt import (
     CheckpointManager,
     CheckpointManagerOptions,
     CheckpointSaveError,
     StateMismatchError,
 )
+from orbit_pt._direct_io import RangeWriter
 from orbit_pt.handlers import ModelHandler, OptimizerHandler, StateHandler
 from orbit_pt.recipe import RecipeState, RNGState
 
@@ -281,18 +281,18 @@ def _fail_on_rank_1(rank: int, world_size: int, root: str) -> None:
     _train(mlp, lm, opt1, opt2, range(1))
     with CheckpointManager(root, handlers={"lm_opt": OptimizerHandler(model_item="lm")}) as mgr:
         # 1. rank 1 fails while writing its rows, after the files were created
-        real = orbit_pt._safetensors.write_range
+        real = RangeWriter.write
 
-        def broken(fd: int, offset: int, view: memoryview) -> None:
+        def broken(self: RangeWriter, *args: object, **kwargs: object) -> None:
             raise OSError("injected: no space left on device")
 
         if rank == 1:
-            orbit_pt._safetensors.write_range = broken
+            RangeWriter.write = broken  # type: ignore[method-assign]
         try:
             with pytest.raises(CheckpointSaveError) as info:
                 mgr.save(1, {"lm": lm, "lm_opt": opt2}, force=True)
         finally:
-            orbit_pt._safetensors.write_range = real
+            RangeWriter.write = real  # type: ignore[method-assign]
         message = f"{info.value} {info.value.__cause__}"
         assert "no space left" in message
         if rank == 0:
