@@ -181,6 +181,7 @@ def _loads_in_transformers(checkpoints: Path, step: int) -> str:
     with CheckpointManager(checkpoints, options=CheckpointManagerOptions(read_only=True)) as mgr:
         folder = mgr.step_dir(step) / "model"
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     ids = torch.tensor([list(b"The Fox and the Grapes")])
     with torch.no_grad():
         theirs = transformers.LlamaForCausalLM.from_pretrained(folder)(ids).logits

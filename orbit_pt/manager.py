@@ -467,11 +467,19 @@ class CheckpointManager:
             )
         if not items:
             raise CheckpointValueError("items is empty; give at least one item to save")
-        return {
-            name: self._handlers.get(name)
-            or default_handler(item, item_name=_layout.check_item_name(name))
-            for name, item in items.items()
-        }
+        chosen: dict[str, Handler] = {}
+        for name, item in items.items():
+            _layout.check_item_name(name)
+            handler = self._handlers.get(name)
+            if handler is None:
+                # Reuse the default handler of this item from the previous save, so that its
+                # staging buffers are reused and async saves do not grow memory.
+                fresh = default_handler(item, item_name=name)
+                cached = self._default_handlers.get(name)
+                handler = cached if type(cached) is type(fresh) else fresh
+                self._default_handlers[name] = handler
+            chosen[name] = handler
+        return chosen
 
     def _handler_for_restore(self, step: int, name: str, saved: ItemMetadata) -> Handler:
         configured = self._handlers.get(name)

@@ -147,3 +147,26 @@ def test_waiting_for_the_previous_save_is_logged(
             mgr.save(1, {"x": {"v": 1}})
         timer.join()
     assert any("waited" in r.getMessage() and "step 0" in r.getMessage() for r in caplog.records)
+
+
+def test_default_handlers_reuse_their_staging_buffers(tmp_path: Path) -> None:
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    items = {"model": model, "optimizer": optimizer, "extra": {"t": torch.ones(100)}}
+    with CheckpointManager(tmp_path, options=_opts()) as mgr:
+        pointers = []
+        for step in range(4):
+            mgr.save(step, items)
+            pools = {name: h._pool for name, h in mgr._default_handlers.items()}  # type: ignore[attr-defined]
+            pointers.append(
+                {
+                    (n, k): b.data_ptr()
+                    for n, pool in pools.items()
+                    for k, b in pool._buffers.items()
+                }
+            )
+        mgr.wait_until_finished()
+    assert len(pointers[0]) == 2 + 3 * 2 + 1  # weights, AdamW moments + steps, the extra tensor
+    assert all(p == pointers[0] for p in pointers)

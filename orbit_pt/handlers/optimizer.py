@@ -185,13 +185,11 @@ class OptimizerHandler:
                 {**_materialize(hyper, reader), "params": list(range(start, start + count))}
             )
             start += count
-        sharded = {
-            name: param
-            for name, param in zip(names, _params(optimizer), strict=True)
-            if is_dtensor(param)
-        }
+        params = dict(zip(names, _params(optimizer), strict=True))
         state = {
-            position[name]: _materialize_like(value, reader, sharded.get(name))
+            position[name]: _materialize_like(
+                value, reader, params[name], optimizer.state.get(params[name], {})
+            )
             for name, value in structure["state"].items()
         }
         try:
@@ -261,36 +259,66 @@ class OptimizerHandler:
         )
 
 
-def _materialize_like(value: Any, reader: SafetensorsReader, param: Any) -> Any:
-    """One parameter's saved state; tensors shaped like a DTensor ``param`` become DTensors.
+def _materialize_like(
+    value: Any, reader: SafetensorsReader, param: Any, existing: Mapping[Any, Any]
+) -> Any:
+    """One parameter's saved state, read into the optimizer's own tensors where it can be.
 
-    Each such tensor is read as this rank's rows only and laid out like the parameter, so the
-    state fits the live (possibly differently sharded) optimizer.
+    A resumed optimizer usually already holds state of the right shapes (it was built and
+    stepped, or restored before): reading straight into those tensors, which load_state_dict
+    then keeps as they are, makes the restore cost no memory beyond the state itself. Tensors
+    shaped like a DTensor ``param`` are read as this rank's rows only and laid out like it.
     """
-    if param is None or not isinstance(value, Mapping):
+    if not isinstance(value, Mapping):
         return _materialize(value, reader)
-    from torch.distributed.tensor import DTensor
-
     out: dict[Any, Any] = {}
     for key, sub in value.items():
-        if (
-            isinstance(sub, _TensorRef)
-            and not sub.as_numpy
-            and param.ndim > 0
-            and reader.entries[sub.name].shape == tuple(param.shape)
-        ):
-            local = read_local(reader, sub.name, param, out=None)
-            out[key] = DTensor.from_local(
-                local.to(param.to_local().device),
-                param.device_mesh,
-                param.placements,
-                run_check=False,
-                shape=param.shape,
-                stride=param.stride(),
-            )
-        else:
+        if not isinstance(sub, _TensorRef) or sub.as_numpy:
             out[key] = _materialize(sub, reader)
+            continue
+        entry = reader.entries[sub.name]
+        current = existing.get(key)
+        sharded = is_dtensor(param) and param.ndim > 0 and entry.shape == tuple(param.shape)
+        if sharded:
+            out[key] = _read_sharded(reader, sub.name, param, current)
+        elif (
+            isinstance(current, torch.Tensor)
+            and not is_dtensor(current)
+            and current.device.type == "cpu"
+            and current.is_contiguous()
+            and tuple(current.shape) == entry.shape
+            and current.dtype == entry.dtype
+        ):
+            with torch.no_grad():
+                out[key] = reader.read(sub.name, out=current)
+        else:
+            out[key] = reader.read(sub.name)
     return out
+
+
+def _read_sharded(reader: SafetensorsReader, name: str, param: Any, current: Any) -> Any:
+    """This rank's rows of ``name`` as a DTensor laid out like ``param``."""
+    from torch.distributed.tensor import DTensor
+
+    if (
+        is_dtensor(current)
+        and current.placements == param.placements
+        and current.shape == param.shape
+        and current.dtype == reader.entries[name].dtype
+        and current.to_local().device.type == "cpu"
+        and current.to_local().is_contiguous()
+    ):
+        read_local(reader, name, param, out=current.to_local())
+        return current
+    local = read_local(reader, name, param, out=None)
+    return DTensor.from_local(
+        local.to(param.to_local().device),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
