@@ -277,7 +277,12 @@ def run(size_gb: float, repeats: int, workdir: Path) -> dict[str, Any]:
 
     # The machine's limits.
     raw = workdir / "raw.bin"
-    measure("O_DIRECT write + fsync (2 threads)", "limit", lambda: odirect_write(raw, total), before=fresh(raw))
+    measure(
+        "O_DIRECT write + fsync (2 threads)",
+        "limit",
+        lambda: odirect_write(raw, total),
+        before=fresh(raw),
+    )
     measure(
         "buffered write + fsync", "limit", lambda: buffered_write(raw, total), before=fresh(raw)
     )

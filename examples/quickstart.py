@@ -125,7 +125,7 @@ def main() -> None:
     resumed = train(args, root / "interrupted", stop_after=None)
 
     same_weights = all(torch.equal(reference.weights[k], v) for k, v in resumed.weights.items())
-    after = {s: l for s, l in resumed.losses.items()}
+    after = dict(resumed.losses)
     same_losses = all(reference.losses[s] == loss for s, loss in after.items())
     print()
     print(f"resumed from step {resumed.resumed_from}; replayed steps {min(after)}..{max(after)}")

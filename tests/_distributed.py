@@ -1,4 +1,4 @@
-"""Run a test body on several real gloo ranks (CPU processes), and fail the test if any rank fails."""
+"""Run a test body on several real gloo ranks (CPU processes); fail the test if any rank fails."""
 
 from __future__ import annotations
 
@@ -32,4 +32,6 @@ def run_ranks(world_size: int, fn: Callable[..., None], *args: Any) -> None:
 
     ``fn`` must be a module-level function (it is pickled by reference into each process).
     """
-    mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+    mp.spawn(  # type: ignore[attr-defined]
+        _entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True
+    )

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from orbit_pt import CheckpointManager, CheckpointManagerOptions, RecipeState
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _distributed import free_port  # noqa: E402
+from _distributed import free_port
 
 
 def rank_main(rank: int, world_size: int, port: int, root: str, out: str, total: int) -> None:
@@ -52,4 +52,6 @@ def rank_main(rank: int, world_size: int, port: int, root: str, out: str, total:
 
 if __name__ == "__main__":
     root, out, total = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    mp.spawn(rank_main, args=(2, free_port(), root, out, total), nprocs=2, join=True)
+    mp.spawn(  # type: ignore[attr-defined]
+        rank_main, args=(2, free_port(), root, out, total), nprocs=2, join=True
+    )

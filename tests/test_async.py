@@ -31,14 +31,16 @@ def test_async_round_trip_and_retention(tmp_path: Path) -> None:
 
 
 def test_mutation_after_save_returns_does_not_leak(tmp_path: Path) -> None:
-    state = {"w": torch.zeros(256, 256), "meta": {"step": 0}}
+    weights = torch.zeros(256, 256)
+    meta = {"step": 0}
+    state = {"w": weights, "meta": meta}
     with CheckpointManager(tmp_path, options=_opts()) as mgr:
         for step in range(3):
-            state["w"].fill_(step)
-            state["meta"]["step"] = step
+            weights.fill_(step)
+            meta["step"] = step
             mgr.save(step, {"x": state})
-            state["w"].fill_(-1.0)  # the training loop moves on at once
-            state["meta"]["step"] = -1
+            weights.fill_(-1.0)  # the training loop moves on at once
+            meta["step"] = -1
         mgr.wait_until_finished()
         for step in range(3):
             restored = mgr.restore(step)["x"]

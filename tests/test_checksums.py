@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orbit_pt import CheckpointManager, CheckpointManagerOptions, CorruptCheckpointError
-from orbit_pt import _checksum
+from orbit_pt import CheckpointManager, CheckpointManagerOptions, CorruptCheckpointError, _checksum
 
 
 def _save(root: Path) -> CheckpointManager:
@@ -52,7 +51,7 @@ def test_verify_on_restore_option_and_subset(tmp_path: Path) -> None:
         data = bytearray(tensors.read_bytes())
         data[-1] ^= 0xFF
         tensors.write_bytes(bytes(data))
-        with pytest.raises(CorruptCheckpointError, match="tensors.safetensors"):
+        with pytest.raises(CorruptCheckpointError, match=r"tensors\.safetensors"):
             mgr.restore(3)
         # Only the items being restored are read in full.
         assert set(mgr.restore(3, ["model"])) == {"model"}

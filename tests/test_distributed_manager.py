@@ -11,8 +11,8 @@ import filelock
 import pytest
 import torch
 import torch.distributed as dist
-
 from _distributed import run_ranks
+
 from orbit_pt import (
     CheckpointError,
     CheckpointManager,

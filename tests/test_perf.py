@@ -20,7 +20,7 @@ import torch
 from orbit_pt import CheckpointManager, CheckpointManagerOptions
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-import bench  # noqa: E402
+import bench
 
 pytestmark = pytest.mark.perf
 
@@ -90,7 +90,9 @@ def test_restore_in_place_needs_no_second_copy_of_the_state(tmp_path: Path, stat
     model, optimizer, tensors = state
     total = bench.nbytes(tensors)
     items = {"model": model, "optimizer": optimizer}
-    with CheckpointManager(tmp_path, options=CheckpointManagerOptions(preemption_signals=())) as mgr:
+    with CheckpointManager(
+        tmp_path, options=CheckpointManagerOptions(preemption_signals=())
+    ) as mgr:
         mgr.save(0, items, force=True)
         mgr.restore(0, items)  # warm up allocator caches
         with bench.PeakRSS() as rss:

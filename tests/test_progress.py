@@ -67,5 +67,6 @@ def test_save_and_restore_report_progress(tmp_path: Path, monkeypatch: pytest.Mo
         mgr.save(1, {"x": state})
         mgr.restore(1)
     assert [what for what, _ in seen] == ["saving step 1", "restoring step 1"]
-    assert seen[1][1] is not None and seen[1][1] > (1 << 18)
+    assert seen[1][1] is not None
+    assert seen[1][1] > (1 << 18)
     assert sum(moved) >= 2 * (1 << 18)  # the tensor bytes, written and read

@@ -904,23 +904,25 @@ def test_crash_during_retention(tmp_path: Path, point: str, nth: int) -> None:
 def test_a_failed_retention_delete_does_not_fail_the_committed_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    import os
+
     from orbit_pt import _commit
 
     mgr = CheckpointManager(tmp_path, options=CheckpointManagerOptions(keep_last_n=1))
     mgr.save(0, {"x": {"v": 0}})
-    real_replace = _commit.os.replace
+    real_replace = os.replace
 
     def refuse_deletion(src: object, dst: object) -> None:
         if str(dst).endswith(".orbit-deleting"):
             raise PermissionError(f"cannot rename {src}")
         real_replace(src, dst)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_commit.os, "replace", refuse_deletion)
+    monkeypatch.setattr(_commit.os, "replace", refuse_deletion)  # type: ignore[attr-defined]
     with caplog.at_level(logging.ERROR):
         assert mgr.save(1, {"x": {"v": 1}})  # committed, even though step 0 stays
     assert mgr.all_steps() == [0, 1]
     assert any("retry after the next save" in r.getMessage() for r in caplog.records)
-    monkeypatch.setattr(_commit.os, "replace", real_replace)
+    monkeypatch.setattr(_commit.os, "replace", real_replace)  # type: ignore[attr-defined]
     mgr.save(2, {"x": {"v": 2}})
     assert mgr.all_steps() == [2]  # retried and done
     mgr.close()
