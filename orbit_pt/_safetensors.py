@@ -256,20 +256,12 @@ def _read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
 def create_file(path: Path, header: bytes, data_size: int) -> None:
     """Create ``path`` holding ``header`` followed by ``data_size`` bytes still to be written.
 
-    The data section is left as a hole that :func:`write_range` fills, in any order and from any
-    process: that is what lets each rank of a distributed save write only its own rows.
+    The data section is left as a hole that ``_direct_io.RangeWriter`` fills, in any order and
+    from any process: that is what lets each rank of a distributed save write only its own rows.
     """
     with open(path, "xb", buffering=0) as f:
         f.write(header)
         f.truncate(len(header) + data_size)
-
-
-def write_range(fd: int, offset: int, view: memoryview) -> None:
-    """Write all of ``view`` at absolute file ``offset`` of the open file ``fd``."""
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done : done + _CHUNK], offset + done)
-    _progress.advance(done)
 
 
 def read_range(fd: int, offset: int, view: memoryview, path: Path) -> None:

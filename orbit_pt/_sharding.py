@@ -23,7 +23,7 @@ import hashlib
 import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from orbit_pt._safetensors import (
     read_range,
     tensor_bytes,
 )
+from orbit_pt._staging import StagingPool
 from orbit_pt.errors import CheckpointValueError, CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
@@ -317,3 +318,16 @@ def read_local(
         out.copy_(buffer)
         return out
     return buffer
+
+
+def stage_pieces(pool: StagingPool, pieces: Mapping[str, Piece]) -> dict[str, Piece]:
+    """``pieces`` with their data copied into ``pool``'s reused host buffers (for async saves)."""
+    pool.begin()
+    staged = {
+        name: piece
+        if piece.data is None
+        else Piece(piece.shape, piece.dtype, pool.copy(name, piece.data), piece.row)
+        for name, piece in pieces.items()
+    }
+    pool.finish()
+    return staged

@@ -10,7 +10,7 @@ On disk (in the item's folder), exactly what ``transformers`` writes and reads:
 
 Saving goes through a *file plan* computed from tensor names, dtypes and shapes only
 (:func:`plan_files`): which file each tensor goes into, each file's header and each tensor's
-byte range. Tensor bytes are then written into those ranges (:func:`write_tensor`). Keeping the
+byte range. Tensor bytes are then written into those ranges (``_sharding.write_files``). Keeping the
 plan free of tensor data is what lets every rank of a sharded save agree on the files and write
 only its own rows into them.
 
@@ -38,10 +38,16 @@ from orbit_pt._safetensors import (
     SafetensorsReader,
     TensorEntry,
     build_header,
-    tensor_bytes,
-    write_range,
 )
-from orbit_pt._sharding import FileWrite, Piece, is_dtensor, piece_of, read_local, write_files
+from orbit_pt._sharding import (
+    FileWrite,
+    Piece,
+    is_dtensor,
+    piece_of,
+    read_local,
+    stage_pieces,
+    write_files,
+)
 from orbit_pt._staging import StagingPool
 from orbit_pt.errors import (
     CheckpointTypeError,
@@ -153,17 +159,6 @@ def plan_files(
         )
         files.append(PlannedFile(filename, header, tensors))
     return FilePlan(tuple(files))
-
-
-def write_tensor(fd: int, entry: TensorEntry, tensor: torch.Tensor) -> None:
-    """Write a contiguous CPU ``tensor`` (already in the planned dtype) into its byte range."""
-    view = tensor_bytes(tensor)
-    if len(view) != entry.nbytes:
-        raise CheckpointValueError(
-            f"tensor {entry.name!r} has {len(view)} bytes but the file plan expects "
-            f"{entry.nbytes}; it changed while being saved"
-        )
-    write_range(fd, entry.start, view)
 
 
 def parse_size(value: int | str) -> int:
@@ -371,14 +366,7 @@ class ModelHandler:
         Under FSDP2 only this rank's local shards are copied (and only the rows it writes).
         """
         staged = self._collect(_check_module(item, "save"), context)
-        self._pool.begin()
-        tensors = {
-            name: piece
-            if piece.data is None
-            else Piece(piece.shape, piece.dtype, self._pool.copy(name, piece.data), piece.row)
-            for name, piece in staged.tensors.items()
-        }
-        self._pool.finish()
+        tensors = stage_pieces(self._pool, staged.tensors)
         return _StagedModel(tensors, staged.tied, staged.documents)
 
     def save(self, directory: Path, item: Any, context: HandlerContext) -> Mapping[str, Any]:

@@ -37,7 +37,15 @@ import msgpack
 import torch
 
 from orbit_pt._safetensors import SafetensorsReader, TensorEntry, build_header
-from orbit_pt._sharding import FileWrite, Piece, is_dtensor, piece_of, read_local, write_files
+from orbit_pt._sharding import (
+    FileWrite,
+    Piece,
+    is_dtensor,
+    piece_of,
+    read_local,
+    stage_pieces,
+    write_files,
+)
 from orbit_pt._staging import StagingPool
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, StateMismatchError
 from orbit_pt.handlers.base import HandlerContext
@@ -93,14 +101,7 @@ class OptimizerHandler:
     def stage(self, item: Any, context: HandlerContext) -> _StagedOptimizer:
         """Encode the state now and copy its tensors into reused host buffers."""
         staged = self._encode_state(_check_optimizer(item, "save"), context)
-        self._pool.begin()
-        tensors = {
-            name: piece
-            if piece.data is None
-            else Piece(piece.shape, piece.dtype, self._pool.copy(name, piece.data), piece.row)
-            for name, piece in staged.tensors.items()
-        }
-        self._pool.finish()
+        tensors = stage_pieces(self._pool, staged.tensors)
         return _StagedOptimizer(staged.structure, tensors, staged.info)
 
     def save(self, directory: Path, item: Any, context: HandlerContext) -> Mapping[str, Any]:
