@@ -172,3 +172,29 @@ def test_default_handlers_reuse_their_staging_buffers(tmp_path: Path) -> None:
         mgr.wait_until_finished()
     assert len(pointers[0]) == 2 + 3 * 2 + 1  # weights, AdamW moments + steps, the extra tensor
     assert all(p == pointers[0] for p in pointers)
+
+
+def test_training_right_after_save_returns_does_not_leak_into_the_step(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def train_step() -> None:
+        model(torch.randn(8, 32)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    train_step()
+    expected_model = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_moment = optimizer.state[model[0].weight]["exp_avg"].clone()
+    with CheckpointManager(tmp_path, options=_opts()) as mgr:
+        mgr.save(1, {"model": model, "optimizer": optimizer})
+        for _ in range(3):
+            train_step()  # in place, while the background thread writes step 1
+        mgr.wait_until_finished()
+        fresh = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+        mgr.restore(1, {"model": fresh, "optimizer": fresh_opt})
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, expected_model[key]), key
+    assert torch.equal(fresh_opt.state[fresh[0].weight]["exp_avg"], expected_moment)
