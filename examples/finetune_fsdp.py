@@ -463,6 +463,7 @@ def main(argv: list[str] | None = None) -> None:
         progress.record(event="end", step=step, preempted=preempted, kept=kept)
         progress.message(f"checkpoints kept: {kept} under {mgr.directory}")
     progress.close()
+    dist.barrier()  # leave together: no rank closes its sockets while a peer still uses them
     dist.destroy_process_group()
 
 

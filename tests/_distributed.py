@@ -21,10 +21,12 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., None], args:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world_size, *args)
+    # Tear down together: a rank that closes its gloo sockets while a peer is still inside a
+    # collective on another group makes gloo abort the peer (SIGABRT) -- a harness artefact,
+    # not a checkpoint bug. (On failure mp.spawn terminates the other ranks anyway.)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_ranks(world_size: int, fn: Callable[..., None], *args: Any) -> None:

@@ -47,6 +47,7 @@ def rank_main(rank: int, world_size: int, port: int, root: str, out: str, total:
         mgr.wait_until_finished()
     result = {"stopped_at": step, "resumed_from": resumed, "weights": weights[0].item()}
     (out_dir / f"result{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # tear down together (see tests/_distributed.py)
     dist.destroy_process_group()
 
 
