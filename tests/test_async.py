@@ -176,7 +176,8 @@ def test_default_handlers_reuse_their_staging_buffers(tmp_path: Path) -> None:
 
 def test_training_right_after_save_returns_does_not_leak_into_the_step(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+    first = torch.nn.Linear(32, 32)
+    model = torch.nn.Sequential(first, torch.nn.Linear(32, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
 
     def train_step() -> None:
@@ -186,15 +187,16 @@ def test_training_right_after_save_returns_does_not_leak_into_the_step(tmp_path:
 
     train_step()
     expected_model = {k: v.clone() for k, v in model.state_dict().items()}
-    expected_moment = optimizer.state[model[0].weight]["exp_avg"].clone()
+    expected_moment = optimizer.state[first.weight]["exp_avg"].clone()
     with CheckpointManager(tmp_path, options=_opts()) as mgr:
         mgr.save(1, {"model": model, "optimizer": optimizer})
         for _ in range(3):
             train_step()  # in place, while the background thread writes step 1
         mgr.wait_until_finished()
-        fresh = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+        fresh_first = torch.nn.Linear(32, 32)
+        fresh = torch.nn.Sequential(fresh_first, torch.nn.Linear(32, 4))
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
         mgr.restore(1, {"model": fresh, "optimizer": fresh_opt})
     for key, value in fresh.state_dict().items():
         assert torch.equal(value, expected_model[key]), key
-    assert torch.equal(fresh_opt.state[fresh[0].weight]["exp_avg"], expected_moment)
+    assert torch.equal(fresh_opt.state[fresh_first.weight]["exp_avg"], expected_moment)
