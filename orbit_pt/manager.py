@@ -85,17 +85,21 @@ class CheckpointManager:
         # Collective under torch.distributed: every rank constructs its manager at the same point.
         self._dist = Collective()
         self._store = StepStore(Path(directory), read_only=self._options.read_only, dist=self._dist)
-        # The background commit talks over a gloo group of its own, so that its barriers never
-        # interleave with the training thread's (preemption checks, synchronous saves).
-        self._background_dist = (
-            Collective(group=self._dist.new_group())
-            if self._options.async_save and self._dist.enabled and not self._options.read_only
-            else self._dist
-        )
-        self._background = BackgroundSaver(self._store.root)
-        self._preemption = PreemptionWatcher(
-            () if self._options.read_only else self._options.preemption_signals
-        )
+        try:
+            # The background commit talks over a gloo group of its own, so that its barriers
+            # never interleave with the training thread's (preemption checks, sync saves).
+            self._background_dist = (
+                Collective(group=self._dist.new_group())
+                if self._options.async_save and self._dist.enabled and not self._options.read_only
+                else self._dist
+            )
+            self._background = BackgroundSaver(self._store.root)
+            self._preemption = PreemptionWatcher(
+                () if self._options.read_only else self._options.preemption_signals
+            )
+        except BaseException:
+            self._store.close()  # a manager that failed to open must not keep the root locked
+            raise
         self._preemption_agreed: tuple[int, bool] | None = None
         self._preempted = False
 
