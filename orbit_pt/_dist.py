@@ -62,10 +62,6 @@ class Collective:
     def is_primary(self) -> bool:
         return self.rank == 0
 
-    def barrier(self) -> None:
-        if self.enabled:
-            dist.barrier(group=self.group)
-
     def broadcast(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank.
 
