@@ -20,9 +20,10 @@ from pathlib import Path
 
 import filelock
 
-from orbit_pt import _checksum, _fs, _layout, _progress
+from orbit_pt import _checksum, _coverage, _fs, _layout, _progress
 from orbit_pt._dist import Collective
 from orbit_pt.errors import (
+    CheckpointError,
     CheckpointLockedError,
     CheckpointSaveError,
     CorruptCheckpointError,
@@ -53,13 +54,17 @@ class StepStore:
         self.read_only = read_only
         self.dist = dist
         self._lock: filelock.BaseFileLock | None = None
-        self._mutex = threading.Lock()  # the background commit thread updates the view too
+        # Held for a whole rescan and around each change of the root and of the view, so that a
+        # rescan (reload) never overwrites the view with a listing taken before a commit.
+        self._mutex = threading.RLock()
         self._committed: dict[int, StepMetadata] = {}
         # step -> identity of the metadata file it was read from, so that a rescan re-reads a
         # step that another process replaced (a rollback) and no other.
         self._seen: dict[int, tuple[int, int, int] | None] = {}
         if not read_only:
-            self.dist.run_everywhere(f"opening {root}", lambda: self._open_writer(lock_timeout))
+            self.dist.run_everywhere(
+                "orbit_pt.open", lambda: self._open_writer(lock_timeout), label=f"opening {root}"
+            )
         self.rescan()
 
     def _open_writer(self, lock_timeout: float) -> None:
@@ -81,7 +86,32 @@ class StepStore:
     # ------------------------------------------------------------------------------- discovery
 
     def rescan(self) -> None:
-        """Re-read which steps are committed; metadata is re-read only where its file changed."""
+        """Re-read which steps are committed; metadata is re-read only where its file changed.
+
+        Under torch.distributed a writer's view is rank 0's scan, broadcast (collective), so that
+        every rank lists the same steps even while the shared filesystem is catching up.
+        """
+        if not self.dist.enabled:
+            with self._mutex:
+                self._scan()
+            return
+        table = None
+        if self.dist.is_primary:
+            with self._mutex:
+                self._scan()
+                table = {str(s): m.to_json().decode() for s, m in self._committed.items()}
+        table = self.dist.broadcast(table)
+        if not self.dist.is_primary:
+            found = {
+                int(s): StepMetadata.from_json(
+                    text.encode(), path=self.step_path(int(s)) / _layout.METADATA_FILE
+                )
+                for s, text in table.items()
+            }
+            with self._mutex:
+                self._committed = dict(sorted(found.items()))
+
+    def _scan(self) -> None:
         found: dict[int, StepMetadata] = {}
         seen: dict[int, tuple[int, int, int] | None] = {}
         try:
@@ -100,9 +130,8 @@ class StepStore:
             meta = self._read_committed(Path(entry.path), step)
             if meta is not None:
                 found[step], seen[step] = meta, signature
-        with self._mutex:
-            self._committed = dict(sorted(found.items()))
-            self._seen = seen
+        self._committed = dict(sorted(found.items()))
+        self._seen = seen
 
     def _read_committed(self, path: Path, step: int) -> StepMetadata | None:
         meta_path = path / _layout.METADATA_FILE
@@ -191,48 +220,74 @@ class StepStore:
     ) -> None:
         """Write a step through ``write_items`` (on every rank) and commit it atomically.
 
-        Collective under torch.distributed: every rank calls it for the same step. A failure on
-        any rank fails the save on every rank, names the rank, and commits nothing.
+        Collective under torch.distributed: every rank calls it for the same step. Three
+        agreements -- prepare (rank 0 makes the temporary folder), write (every rank writes its
+        part and reports its checksums and byte ranges), finish (rank 0 checks that the ranks'
+        ranges cover every piecewise-written file exactly once and writes the metadata) -- then
+        rank 0 renames the folder into place and tells every rank the outcome. A failure on any
+        rank fails the save on every rank, names the rank, and commits nothing.
         """
         dist = dist if dist is not None else self.dist
         tmp = self.root / _layout.tmp_name(step)
         started = time.perf_counter()
+        primary = dist.is_primary
         try:
             dist.run_everywhere(
-                f"preparing step {step}", lambda: self._prepare(step, tmp, primary=dist.is_primary)
+                "orbit_pt.save.prepare",
+                lambda: self._prepare(step, tmp, primary=primary),
+                label=f"preparing step {step}",
             )
-            with _progress.showing(f"saving step {step}", primary=dist.is_primary):
-                written, checksums = dist.run_everywhere(
-                    f"writing step {step}", lambda: self._write(tmp, write_items)
+            with _progress.showing(f"saving step {step}", primary=primary):
+                (written, _), reports = dist.agree(
+                    "orbit_pt.save.write",
+                    lambda: self._write(tmp, write_items),
+                    label=f"writing step {step}",
+                    share=lambda result: result[1],
                 )
-            # Files written whole by one rank come with the checksum computed while writing.
-            recorded: dict[str, str] = {}
-            for table in dist.all_gather(checksums):
-                recorded.update(table)
-            committed = dist.run_everywhere(
-                f"committing step {step}",
-                lambda: self._finalize(
-                    step, tmp, written, recorded, build_metadata, primary=dist.is_primary
-                ),
+            meta, _ = dist.agree(
+                "orbit_pt.save.finish",
+                lambda: self._finalize(step, tmp, written, reports, build_metadata, primary),
+                label=f"finishing step {step}",
             )
         except StepAlreadyExistsError:
             raise  # nothing was written; the user must move the folder out of the way
-        except Exception as exc:
-            if dist.is_primary:
+        except BaseException as exc:
+            if primary:
                 _fs.remove_tree(tmp)
-            raise CheckpointSaveError(step, tmp, f"{type(exc).__name__}: {exc}") from exc
-        outcome = dist.broadcast(committed)
-        assert outcome is not None  # rank 0 returns it; broadcast hands it to every rank
-        meta_json, superseded = outcome
-        meta = StepMetadata.from_json(
-            meta_json.encode(), path=self.step_path(step) / _layout.METADATA_FILE
-        )
-        with self._mutex:
-            for victim in superseded:
-                self._committed.pop(victim, None)
-            self._committed[step] = meta
-            self._committed = dict(sorted(self._committed.items()))
-        if dist.is_primary:
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt: the peers were told; stop as the user asked
+            raise CheckpointSaveError(step, tmp, _reason(exc)) from exc
+        # The commit point: rank 0 alone renames, then every rank learns the outcome from it.
+        outcome: dict[str, object] | None = None
+        if primary:
+            assert meta is not None
+            try:
+                with self._mutex:
+                    superseded = self._supersede_from(step)
+                    os.replace(tmp, self.step_path(step))
+                    _fs.fsync_path(self.root)
+                    self._record(step, meta, superseded)
+                outcome = {"meta": meta.to_json().decode(), "superseded": superseded}
+            except BaseException as exc:
+                outcome = {"error": _reason(exc)}
+                dist.broadcast(outcome)
+                if not isinstance(exc, Exception):
+                    raise
+                raise CheckpointSaveError(step, tmp, _reason(exc)) from exc
+        outcome = dist.broadcast(outcome)
+        assert outcome is not None
+        if "error" in outcome:
+            raise CheckpointSaveError(step, tmp, f"on rank 0: {outcome['error']}")
+        if not primary:
+            meta = StepMetadata.from_json(
+                str(outcome["meta"]).encode(), path=self.step_path(step) / _layout.METADATA_FILE
+            )
+            victims = outcome["superseded"]
+            assert isinstance(victims, list)
+            with self._mutex:
+                self._record(step, meta, victims)
+        if primary:
+            assert meta is not None
             seconds = time.perf_counter() - started
             size = sum(f.size for f in meta.files.values())
             logger.info(
@@ -244,6 +299,14 @@ class StepStore:
                 seconds,
                 size / 1e9 / max(seconds, 1e-9),
             )
+
+    def _record(self, step: int, meta: StepMetadata, superseded: list[int]) -> None:
+        for victim in superseded:
+            self._committed.pop(victim, None)
+            self._seen.pop(victim, None)
+        self._committed[step] = meta
+        self._committed = dict(sorted(self._committed.items()))
+        self._seen[step] = _identity(self.step_path(step) / _layout.METADATA_FILE)
 
     def _prepare(self, step: int, tmp: Path, *, primary: bool) -> None:
         if not primary:
@@ -257,43 +320,70 @@ class StepStore:
         _fs.remove_tree(tmp)
         tmp.mkdir()
 
-    def _write(
-        self, tmp: Path, write_items: WriteItems
-    ) -> tuple[dict[str, ItemMetadata], dict[str, str]]:
-        with _checksum.recording() as recorded:
+    def _write(self, tmp: Path, write_items: WriteItems) -> tuple[dict[str, ItemMetadata], dict]:
+        """Write this rank's part; report the checksums it computed and the ranges it wrote."""
+        with _checksum.recording() as checksums, _coverage.recording() as ranges:
             written = write_items(tmp)
         # Every rank fsyncs what it can see: on a shared filesystem that flushes the pages this
         # rank wrote, which rank 0 could not flush for it.
         _fs.fsync_tree(tmp)
         base = tmp.absolute()
-        checksums = {Path(p).relative_to(base).as_posix(): c for p, c in recorded.items()}
-        return written, checksums
+
+        def relative(path: str) -> str | None:
+            try:
+                return Path(path).relative_to(base).as_posix()
+            except ValueError:
+                return None  # outside the step: not ours to check
+
+        report = {
+            "checksums": {relative(p): c for p, c in checksums.items() if relative(p)},
+            "ranges": {
+                relative(p): _coverage.intervals(r) for p, r in ranges.items() if relative(p)
+            },
+        }
+        return written, report
 
     def _finalize(
         self,
         step: int,
         tmp: Path,
         written: dict[str, ItemMetadata],
-        recorded: dict[str, str],
+        reports: list[dict],
         build: BuildMetadata,
-        *,
         primary: bool,
-    ) -> tuple[str, list[int]] | None:
+    ) -> StepMetadata | None:
+        """Rank 0: check the ranks' writes, then write the metadata (not yet the commit)."""
         if not primary:
             return None
+        recorded: dict[str, str] = {}
+        by_file: dict[str, dict[int, list[list[int]]]] = {}
+        for rank, report in enumerate(reports):
+            recorded.update(report["checksums"])
+            for name, intervals in report["ranges"].items():
+                by_file.setdefault(name, {})[rank] = intervals
         files = {}
         for rel in _fs.iter_files(tmp):
             name = rel.as_posix()
+            size = (tmp / rel).stat().st_size
+            wrong = _coverage.problems(size, by_file.pop(name, {})) if name in by_file else []
+            if wrong:
+                raise CheckpointError(
+                    f"{name} of step {step} was not written exactly once by the ranks: "
+                    f"{'; '.join(wrong[:5])}; this is a bug in the handler that wrote it (its "
+                    "ranks disagree about who writes which rows), please report it"
+                )
             # Small files and files written piecewise by several ranks are read back once.
             checksum = recorded.get(name) or _checksum.of_file(tmp / rel)
-            files[name] = FileMetadata(size=(tmp / rel).stat().st_size, checksum=checksum)
+            files[name] = FileMetadata(size=size, checksum=checksum)
+        if by_file:
+            raise CheckpointError(
+                f"step {step}: ranks reported writing {sorted(by_file)}, which are not in "
+                f"{tmp}; a handler wrote outside its folder or deleted a file"
+            )
         meta = build(written, files)
         _fs.write_file_durably(tmp / _layout.METADATA_FILE, meta.to_json())
         _fs.fsync_path(tmp)
-        superseded = self._supersede_from(step)
-        os.replace(tmp, self.step_path(step))
-        _fs.fsync_path(self.root)
-        return meta.to_json().decode(), superseded
+        return meta
 
     def _supersede_from(self, step: int) -> list[int]:
         """Move ``step`` and every newer committed step into ``superseded/``, newest first.
@@ -344,13 +434,15 @@ class StepStore:
             for step in steps:
                 doomed = self.root / (_layout.step_name(step) + _layout.DELETING_SUFFIX)
                 _fs.remove_tree(doomed)
-                os.replace(self.step_path(step), doomed)
+                with self._mutex:
+                    os.replace(self.step_path(step), doomed)
+                    self._committed.pop(step, None)
                 _fs.fsync_path(self.root)
                 deleted.append(step)  # out of the step namespace: no longer a step
                 _fs.remove_tree(doomed)
 
         try:
-            dist.run_everywhere(f"deleting steps {steps}", remove)
+            dist.run_everywhere("orbit_pt.delete", remove, label=f"deleting steps {steps}")
         finally:
             gone = dist.broadcast(deleted)
             with self._mutex:
@@ -381,6 +473,11 @@ class StepStore:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc)
+    return text if isinstance(exc, CheckpointError) and text else f"{type(exc).__name__}: {text}"
 
 
 def _identity(path: Path) -> tuple[int, int, int] | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,24 @@ T = TypeVar("T")
 
 
 class AgreedError(CheckpointError):
-    """A failure that every rank has already agreed on (see :meth:`Collective.run_everywhere`)."""
+    """A failure that every rank has agreed on (see :meth:`Collective.agree`).
+
+    Raised on every rank with the same message, which names each failing rank and its cause.
+
+    Attributes:
+        failures: rank -> ``"ExceptionType: message"`` for every rank that failed.
+        local: the exception this rank raised itself, or None when only other ranks failed.
+    """
+
+    def __init__(
+        self, message: str, failures: dict[int, str], local: BaseException | None = None
+    ) -> None:
+        super().__init__(message)
+        self.failures = dict(failures)
+        self.local = local
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.failures))
 
 
 def _encode(value: Any) -> torch.Tensor:
@@ -42,21 +59,56 @@ def _json_round_trip(value: Any) -> Any:
 
 
 class Collective:
-    """Rank, world size and the few collectives the manager needs, over a private gloo group."""
+    """Rank, world size and the few collectives the manager needs, over a private gloo group.
+
+    Three kinds: on one process every method is trivial; a *writer's* collective owns a gloo
+    group (created collectively, destroyed by :meth:`close`); a *local* one
+    (:meth:`local`, for read-only managers) knows its rank and world size but never talks to the
+    other ranks, so it can be used on any subset of them.
+    """
 
     def __init__(self, group: Any = None) -> None:
         self.enabled = dist.is_available() and dist.is_initialized()
+        self._owns_group = False
         if not self.enabled:
             self.rank, self.world_size, self.group = 0, 1, None
             return
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        # new_group is itself collective: every rank constructs its manager at the same point.
-        self.group = group if group is not None else dist.new_group(backend="gloo")
+        if group is None:
+            # new_group is itself collective: every rank constructs its manager at that point.
+            group = dist.new_group(backend="gloo")
+            self._owns_group = True
+        self.group = group
 
-    def new_group(self) -> Any:
-        """A second gloo group (for a background thread, so its traffic never interleaves)."""
-        return dist.new_group(backend="gloo") if self.enabled else None
+    @classmethod
+    def local(cls) -> Collective:
+        """This rank's rank and world size, with every collective a no-op (read-only use)."""
+        out = cls.__new__(cls)
+        out.enabled, out._owns_group, out.group = False, False, None
+        initialized = dist.is_available() and dist.is_initialized()
+        out.rank = dist.get_rank() if initialized else 0
+        out.world_size = dist.get_world_size() if initialized else 1
+        return out
+
+    def new_group(self) -> Collective:
+        """A collective over a second gloo group of its own (for a background thread, so that
+        its traffic never interleaves with the training thread's)."""
+        return Collective() if self.enabled else self
+
+    def close(self) -> None:
+        """Destroy the gloo group this collective created (idempotent; local, not collective)."""
+        group, self.group = self.group, None
+        if not self._owns_group or group is None:
+            return
+        self._owns_group = False
+        self.enabled = False
+        if not (dist.is_available() and dist.is_initialized()):
+            return  # the default group is gone, and every subgroup with it
+        try:
+            dist.destroy_process_group(group)
+        except Exception as exc:  # closing must release the other resources regardless
+            logger.debug("could not destroy orbit_pt's gloo group: %s", exc)
 
     @property
     def is_primary(self) -> bool:
@@ -102,46 +154,95 @@ class Collective:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
-    def run_everywhere(self, what: str, fn: Callable[[], T]) -> T:
+    def run_everywhere(self, tag: str, fn: Callable[[], T], *, label: str | None = None) -> T:
         """Run ``fn`` on every rank; if it raises on any rank, raise on every rank.
 
-        The error on the other ranks names the rank(s) that failed and their message, so a
-        failure is never a hang (a rank stuck in a barrier that its peer never reaches).
-
-        Calls may nest (a handler agreeing on its own files inside the manager's "writing step"
-        agreement). A rank that fails before it reaches the inner agreement meets its peers with
-        a different ``what``; every rank then sees that they are out of step and raises
-        :class:`AgreedError`, which enclosing calls re-raise without gathering again -- so the
-        ranks leave together instead of pairing the wrong collectives.
+        ``tag`` names the point of agreement and must be the same string on every rank (no
+        paths or other per-rank spellings in it); ``label`` is what messages call it. See
+        :meth:`agree`.
         """
+        result, _ = self.agree(tag, fn, label=label)
+        return result
+
+    def agree(
+        self,
+        tag: str,
+        fn: Callable[[], T],
+        *,
+        label: str | None = None,
+        share: Callable[[T], Any] | None = None,
+    ) -> tuple[T, list[Any]]:
+        """Run ``fn`` on every rank, agree on the outcome, and gather ``share(result)``.
+
+        Returns this rank's result and every rank's shared value (JSON-able; None without
+        ``share``), in rank order -- one all-gather carries both the outcome and the data.
+
+        If ``fn`` raises anything on any rank (``BaseException``: a KeyboardInterrupt on one
+        rank must not strand the others in a collective), every rank raises one
+        :class:`AgreedError` naming each failing rank and its cause, chained from this rank's own
+        error. A rank whose error is not an ``Exception`` (KeyboardInterrupt, SystemExit) raises
+        that error itself, after its peers have been told. On one process ``fn``'s error
+        propagates unchanged.
+
+        Calls may nest (a handler agreeing on its own files inside the manager's "write"
+        agreement). A rank that fails before it reaches the inner agreement meets its peers
+        with a different ``tag``; every rank then sees that they are out of step and raises
+        :class:`AgreedError`, which enclosing agreements re-raise without gathering again -- so
+        the ranks leave together instead of pairing the wrong collectives.
+        """
+        if not self.enabled:
+            alone = fn()
+            return alone, [share(alone) if share is not None else None]
+        label = label or tag
         result: Any = None
         error: BaseException | None = None
+        mine_shared: Any = None
         try:
             result = fn()
+            mine_shared = share(result) if share is not None else None
         except AgreedError:
             raise  # every rank already knows: gathering again would pair the wrong collectives
-        except Exception as exc:
+        except BaseException as exc:
             error = exc
-        mine = None if error is None else f"{type(error).__name__}: {error}"
-        reports = self.all_gather((what, mine))
-        failed = {rank: message for rank, (_, message) in enumerate(reports) if message is not None}
-        elsewhere = {rank: where for rank, (where, _) in enumerate(reports) if where != what}
+        mine = None if error is None else _describe(error)
+        reports = self.all_gather([tag, mine, mine_shared])
+        failed = {rank: msg for rank, (_, msg, _) in enumerate(reports) if msg is not None}
+        elsewhere = {rank: where for rank, (where, _, _) in enumerate(reports) if where != tag}
         if elsewhere:
             detail = "; ".join(
                 f"rank {rank} was at {where!r}" + (f" ({failed[rank]})" if rank in failed else "")
                 for rank, where in elsewhere.items()
             )
             own = f"; on this rank: {mine}" if mine is not None else ""
-            raise AgreedError(
-                f"{what} failed: the ranks are out of step, because rank(s) {sorted(elsewhere)} "
-                f"failed before reaching it: {detail}{own}"
-            ) from error
+            agreed = AgreedError(
+                f"{label} failed: the ranks are out of step, because rank(s) {sorted(elsewhere)} "
+                f"failed before reaching it: {detail}{own}",
+                failed,
+                error,
+            )
+            _raise(agreed, error)
         if failed:
-            if error is not None:
-                raise error
             detail = "; ".join(f"rank {rank}: {message}" for rank, message in failed.items())
-            raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}: {detail}")
-        return result  # type: ignore[no-any-return]
+            agreed = AgreedError(
+                f"{label} failed on rank(s) {sorted(failed)} of {self.world_size}: {detail}",
+                failed,
+                error,
+            )
+            _raise(agreed, error)
+        return result, [shared for _, _, shared in reports]
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else 0
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, AgreedError):
+        return str(error)
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _raise(agreed: AgreedError, local: BaseException | None) -> NoReturn:
+    if local is not None and not isinstance(local, Exception):
+        raise local  # KeyboardInterrupt, SystemExit: keep the user's own stop on this rank
+    raise agreed from local

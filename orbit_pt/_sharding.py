@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from orbit_pt import _checksum
+from orbit_pt import _checksum, _coverage
 from orbit_pt._checksum import Checksum
 from orbit_pt._direct_io import RangeWriter
 from orbit_pt._dist import Collective
@@ -182,10 +182,16 @@ def write_files(
         def create() -> None:
             if rank == 0:
                 for f in files:
-                    create_file(f.path, f.header, f.data_size)
+                    _create(f)
 
-        collective.run_everywhere(f"creating the files of {what}", create)
-        digests = collective.all_gather(digest)
+        # One agreement is both the barrier (files exist before anyone writes) and the check
+        # that every rank planned the same files.
+        _, digests = collective.agree(
+            "orbit_pt.handler.create_files",
+            create,
+            label=f"creating the files of {what}",
+            share=lambda _: digest,
+        )
         if len(set(digests)) > 1:
             differ = [r for r, d in enumerate(digests) if d != digests[0]]
             raise CheckpointValueError(
@@ -195,7 +201,7 @@ def write_files(
             )
     else:
         for f in files:
-            create_file(f.path, f.header, f.data_size)
+            _create(f)
     for f in files:
         mine = sorted(
             ((e, p) for e, p in f.pieces if p.data is not None and p.data.numel()),
@@ -213,13 +219,20 @@ def write_files(
                 size = len(f.header) + f.data_size
                 writer.write(0, itertools.chain([memoryview(f.header)], views), checksum, size=size)
                 _checksum.record(f.path, checksum.value())
+                _coverage.record(f.path, 0, size)
             else:
                 for entry, piece in mine:
-                    data = _piece_bytes(entry, piece)
+                    data = tensor_bytes(_piece_bytes(entry, piece))
                     offset = entry.start + piece.row * _row_bytes(entry)
-                    writer.write(offset, [tensor_bytes(data)])
+                    writer.write(offset, [data])
+                    _coverage.record(f.path, offset, len(data))
         finally:
             writer.close()
+
+
+def _create(f: FileWrite) -> None:
+    create_file(f.path, f.header, f.data_size)
+    _coverage.record(f.path, 0, len(f.header))
 
 
 def _covers_file(f: FileWrite, mine: Sequence[tuple[TensorEntry, Piece]]) -> bool:

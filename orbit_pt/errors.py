@@ -91,6 +91,30 @@ class CheckpointSaveError(CheckpointError, RuntimeError):
         return (type(self), (self.step, self.path, self.reason))
 
 
+class PreemptionExit(SystemExit):
+    """Ends a preempted process whose loop saved again after its preemption step was saved.
+
+    A ``SystemExit`` (not an ``Exception``): ``finally`` blocks and context managers run, an
+    ``except Exception`` in the loop does not swallow it, and the process exits with
+    ``CheckpointManagerOptions.preemption_exit_code``.
+    """
+
+    def __init__(self, code: int, step: int, saved: int) -> None:
+        super().__init__(code)
+        self.step = step
+        self.saved = saved
+
+    def __str__(self) -> str:
+        return (
+            f"preempted: step {self.saved} was saved for the preemption, and save() was called "
+            f"again at step {self.step}; ending the process with status {self.code} (check "
+            "mgr.reached_preemption(step) in the loop to stop it yourself)"
+        )
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.code, self.step, self.saved))
+
+
 def _short_list(values: list[int], limit: int = 10) -> str:
     if len(values) <= limit:
         return ", ".join(map(str, values))

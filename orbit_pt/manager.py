@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -14,14 +16,16 @@ from typing import Any
 from orbit_pt import _layout, _progress, _version
 from orbit_pt._background import BackgroundSaver
 from orbit_pt._commit import StepStore
-from orbit_pt._dist import Collective
+from orbit_pt._dist import AgreedError, Collective
 from orbit_pt._preemption import PreemptionWatcher
 from orbit_pt.errors import (
     CheckpointError,
+    CheckpointSaveError,
     CheckpointTypeError,
     CheckpointValueError,
     CorruptCheckpointError,
     ItemNotFoundError,
+    PreemptionExit,
     ReadOnlyError,
 )
 from orbit_pt.handlers import Handler, HandlerContext, default_handler, handler_by_name
@@ -80,28 +84,36 @@ class CheckpointManager:
         self._warned_unranked = False
         self._warned_no_staging: set[str] = set()
         self._closed = False
+        self._close_lock = threading.Lock()
         # Default handlers are kept per item name, so their staging buffers are reused.
         self._default_handlers: dict[str, Handler] = {}
-        # Collective under torch.distributed: every rank constructs its manager at the same point.
-        self._dist = Collective()
-        self._store = StepStore(Path(directory), read_only=self._options.read_only, dist=self._dist)
-        try:
-            # The background commit talks over a gloo group of its own, so that its barriers
-            # never interleave with the training thread's (preemption checks, sync saves).
-            self._background_dist = (
-                Collective(group=self._dist.new_group())
-                if self._options.async_save and self._dist.enabled and not self._options.read_only
-                else self._dist
+        # A writer's collective is collective to create (every rank constructs its manager at
+        # the same point); a read-only manager's never talks to other ranks, so an evaluator may
+        # open one on rank 0 alone.
+        self._dist = Collective.local() if self._options.read_only else Collective()
+        # The background commit talks over a gloo group of its own, so that its agreements never
+        # interleave with the training thread's (preemption checks, plans, sync saves).
+        self._background_dist = (
+            self._dist.new_group()
+            if self._options.async_save and self._dist.enabled
+            else self._dist
+        )
+        with contextlib.ExitStack() as undo:  # a manager that fails to open releases everything
+            undo.callback(self._dist.close)
+            undo.callback(self._background_dist.close)
+            self._store = StepStore(
+                Path(directory), read_only=self._options.read_only, dist=self._dist
             )
+            undo.callback(self._store.close)
             self._background = BackgroundSaver(self._store.root)
             self._preemption = PreemptionWatcher(
                 () if self._options.read_only else self._options.preemption_signals
             )
-        except BaseException:
-            self._store.close()  # a manager that failed to open must not keep the root locked
-            raise
+            undo.pop_all()
         self._preemption_agreed: tuple[int, bool] | None = None
         self._preempted = False
+        # The step saved once the preemption was agreed; a later save() ends the process.
+        self._preemption_saved: int | None = None
 
     # ------------------------------------------------------------------------------- discovery
 
@@ -142,14 +154,27 @@ class CheckpointManager:
         return self._store.metadata(self._resolve_step(step))
 
     def reload(self) -> None:
-        """Re-read the root, e.g. in a read-only manager to see steps committed since it opened."""
+        """Re-read the root, e.g. in a read-only manager to see steps committed since it opened.
+
+        Waits for a save in flight first, so that a commit is never lost from the view. On a
+        writing manager under torch.distributed this is collective (rank 0 scans, every rank
+        takes its view): call it on every rank.
+        """
+        self._check_open()
+        self._background.wait(reason="reload")
         self._store.rescan()
 
     # ---------------------------------------------------------------------------------- saving
 
     def should_save(self, step: int) -> bool:
-        """Whether ``step`` is a save step (interval, listed steps, custom policy, preemption)."""
+        """Whether ``step`` is a save step (interval, listed steps, custom policy, preemption).
+
+        Always False on a read-only manager, which cannot save. Collective under
+        torch.distributed (it asks :meth:`reached_preemption`).
+        """
         _check_step(step)
+        if self._options.read_only:
+            return False
         return self._save_policy.should_save(step, preempted=self.reached_preemption(step))
 
     def reached_preemption(self, step: int) -> bool:
@@ -196,9 +221,22 @@ class CheckpointManager:
         ``superseded/`` first, with a warning: nothing is deleted silently. Retention runs only
         after the new step is committed.
 
+        Under torch.distributed every rank calls ``save`` for the same step; the save is one
+        agreement per phase (plan, stage, write, finish: see docs/protocol.md), so a failure
+        on any rank raises on every rank, naming the rank, and commits nothing. The recorded
+        ``metrics`` are rank 0's; a non-finite metric on any rank fails the save everywhere.
+
+        Preemption: once every rank agreed that the job is being preempted, the next save is
+        the preemption save (synchronous). If the loop calls ``save`` again after it instead of
+        stopping (``reached_preemption``), the process ends with :class:`PreemptionExit`
+        (a ``SystemExit`` with ``options.preemption_exit_code``; ``finally`` blocks and
+        context managers run). Saving the preemption step itself again returns False.
+
         Raises:
             CheckpointSaveError: writing failed; nothing of ``step`` was committed and earlier
-                steps are untouched. The cause is chained.
+                steps are untouched. The cause is chained. With ``async_save``, a failure of
+                the previous background save is raised here (and this step is not saved).
+            PreemptionExit: see above.
         """
         self._check_open()
         _check_step(step)
@@ -207,48 +245,111 @@ class CheckpointManager:
                 f"this manager opened {self.directory} read-only; it cannot save step {step}. "
                 "Open it without read_only=True (only one writer per root)"
             )
+        if self._preemption_saved is not None:
+            if step == self._preemption_saved:
+                return False
+            raise PreemptionExit(self._options.preemption_exit_code, step, self._preemption_saved)
         if not force and not self.should_save(step):
             return False
-        handlers = self._handlers_for_save(items)
-        metric_values = validate_metrics(metrics, step=step)
-        # The previous async save must be durable (or its failure raised) before the next.
+        # The previous async save must be durable (or its failure raised) before the next, and
+        # before staging reuses its buffers. Its outcome was agreed by every rank.
         self._background.wait(reason=f"save of step {step}")
         context = HandlerContext(
             step=step,
-            items=dict(items),
+            items=dict(items) if isinstance(items, Mapping) else {},
             rank=self._dist.rank,
             world_size=self._dist.world_size,
             collective=self._dist,
         )
-        # A preemption save is synchronous: the job is about to exit inside its grace period.
-        if self._options.async_save and not self._preempted:
-            snapshots = self._stage(handlers, items, context)
-            if snapshots is not None:
-                job = self._save_job(step, handlers, snapshots, context, metric_values)
-                self._background.submit(step, job)
-                return True
-        self._save_job(step, handlers, items, context, metric_values, dist=self._dist)()
+        preemption = self._preempted
+        try:
+            handlers, metric_values = self._plan(step, items, metrics)
+            # A preemption save is synchronous: the job is about to exit inside its grace period.
+            staged = None
+            if self._options.async_save and not preemption:
+                staged = self._stage(handlers, items, context)
+        except AgreedError as exc:
+            raise CheckpointSaveError(step, self.directory, str(exc)) from exc
+        if staged is not None:
+            job = self._save_job(step, handlers, staged, context, metric_values)
+            self._background.submit(step, job)
+        else:
+            self._save_job(step, handlers, items, context, metric_values, dist=self._dist)()
+        if preemption:
+            self._preemption_saved = step
         return True
+
+    def _plan(
+        self, step: int, items: Mapping[str, Any], metrics: Mapping[str, Any] | None
+    ) -> tuple[dict[str, Handler], dict[str, float]]:
+        """The plan phase, agreed: validate the inputs on every rank and choose the handlers.
+
+        Returns the handlers and the metrics to record (rank 0's).
+        """
+
+        def plan() -> tuple[dict[str, Handler], dict[str, float]]:
+            return self._handlers_for_save(items), validate_metrics(metrics, step=step)
+
+        (handlers, _), shared = self._dist.agree(
+            "orbit_pt.save.plan",
+            plan,
+            label=f"planning the save of step {step}",
+            share=lambda result: [step, sorted(result[0]), result[1]],
+        )
+        steps = [s for s, _, _ in shared]
+        names = [n for _, n, _ in shared]
+        if len(set(steps)) > 1 or any(n != names[0] for n in names):
+            detail = "; ".join(
+                f"rank {rank}: step {s}, items {n}" for rank, (s, n, _) in enumerate(shared)
+            )
+            raise CheckpointSaveError(
+                step,
+                self.directory,
+                f"the ranks are saving different steps or items ({detail}); every rank must "
+                "call save() with the same step and item names",
+            )
+        recorded = shared[0][2]
+        for rank, (_, _, theirs) in enumerate(shared[1:], start=1):
+            if theirs != recorded:
+                logger.debug(
+                    "step %d: rank %d's metrics %s differ from rank 0's %s; rank 0's are recorded",
+                    step,
+                    rank,
+                    theirs,
+                    recorded,
+                )
+        return handlers, {name: float(value) for name, value in recorded.items()}
 
     def _stage(
         self, handlers: Mapping[str, Handler], items: Mapping[str, Any], context: HandlerContext
     ) -> dict[str, Any] | None:
-        """Snapshots of every item for a background save, or None if a handler can't stage."""
-        for name, handler in handlers.items():
-            if not isinstance(handler, StagingHandler):
-                if name not in self._warned_no_staging:
+        """Snapshots of every item for a background save, or None to save synchronously.
+
+        Agreed: staging fails on every rank if it fails on one (e.g. a pinned-memory
+        allocation), and the save is asynchronous only when every rank could stage it.
+        """
+        if not all(isinstance(handler, StagingHandler) for handler in handlers.values()):
+            for name, handler in handlers.items():
+                if not isinstance(handler, StagingHandler) and name not in self._warned_no_staging:
                     self._warned_no_staging.add(name)
                     logger.warning(
                         "async_save: handler %r of item %r has no stage(); saving synchronously",
                         handler.name,
                         name,
                     )
-                return None
-        staged: dict[str, Any] = {}
-        for name, handler in handlers.items():
-            assert isinstance(handler, StagingHandler)
-            staged[name] = handler.stage(items[name], context)
-        return staged
+            return None
+
+        def stage() -> dict[str, Any]:
+            staged: dict[str, Any] = {}
+            for name, handler in handlers.items():
+                assert isinstance(handler, StagingHandler)
+                staged[name] = handler.stage(items[name], context)
+            return staged
+
+        snapshots, _ = self._dist.agree(
+            "orbit_pt.save.stage", stage, label=f"staging step {context.step}"
+        )
+        return snapshots
 
     def _save_job(
         self,
@@ -304,8 +405,16 @@ class CheckpointManager:
         self._store.delete([step], dist=self._dist)
 
     def wait_until_finished(self) -> None:
-        """Block until a save in flight is committed; re-raise its failure, if any."""
+        """Block until a save in flight is committed; re-raise its failure, if any.
+
+        Safe from any thread. A background failure is raised to every thread that waits, and
+        stays pending until the thread that called ``save`` has received it too.
+        """
         self._background.wait()
+
+    def is_saving_in_progress(self) -> bool:
+        """Whether an async save is being written in the background right now."""
+        return self._background.is_saving()
 
     # ------------------------------------------------------------------------------- restoring
 
@@ -337,23 +446,51 @@ class CheckpointManager:
         """
         self._check_open()
         self._background.wait(reason="restore")
-        step = self._resolve_step(step)
-        meta = self._store.metadata(step)
-        targets = self._targets(step, meta, items)
         if verify is None:
             verify = self._options.verify_on_restore
-        self._store.check_files(step, meta, checksums_of=targets if verify else ())
-        context = HandlerContext(
-            step=step,
-            items=targets,
-            rank=self._dist.rank,
-            world_size=self._dist.world_size,
-            saved_world_size=meta.world_size,
-            collective=self._dist,
-        )
-        total = sum(f.size for rel, f in meta.files.items() if rel.split("/")[0] in targets)
-        with _progress.showing(f"restoring step {step}", total, primary=self._dist.is_primary):
-            return self._restore_items(step, meta, targets, context)
+        asked = step
+
+        def load() -> tuple[int, dict[str, Any]]:
+            resolved = self._resolve_step(asked)
+            meta = self._store.metadata(resolved)
+            targets = self._targets(resolved, meta, items)
+            self._store.check_files(resolved, meta, checksums_of=targets if verify else ())
+            context = HandlerContext(
+                step=resolved,
+                items=targets,
+                rank=self._dist.rank,
+                world_size=self._dist.world_size,
+                saved_world_size=meta.world_size,
+                collective=self._dist,
+            )
+            total = sum(f.size for rel, f in meta.files.items() if rel.split("/")[0] in targets)
+            primary = self._dist.is_primary
+            with _progress.showing(f"restoring step {resolved}", total, primary=primary):
+                return resolved, self._restore_items(resolved, meta, targets, context)
+
+        # Agreed: a rank that fails (a bad checksum, a mismatched model) stops every rank,
+        # instead of letting the others train on from a state this rank does not have.
+        try:
+            (_, out), steps = self._dist.agree(
+                "orbit_pt.restore",
+                load,
+                label="restore" if step is None else f"restoring step {step}",
+                share=lambda result: result[0],
+            )
+        except AgreedError as exc:
+            if exc.local is not None:
+                # This rank's own error keeps its type (StateMismatchError, ...); the others'
+                # are added to its message.
+                if hasattr(exc.local, "add_note"):
+                    exc.local.add_note(f"agreed by every rank: {exc}")
+                raise exc.local from None
+            raise
+        if len(set(steps)) > 1:
+            raise CheckpointValueError(
+                f"the ranks restored different steps {steps} (rank order); pass the same step on "
+                "every rank, e.g. mgr.latest_step()"
+            )
+        return out
 
     def _restore_items(
         self, step: int, meta: StepMetadata, targets: dict[str, Any], context: HandlerContext
@@ -375,15 +512,22 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
-        """Finish any save in flight and release the root's lock. Safe to call twice."""
-        if self._closed:
-            return
-        try:
-            self.wait_until_finished()
-        finally:
+        """Finish any save in flight and release everything: the root's lock, the signal
+        handlers, orbit_pt's process groups.
+
+        Safe to call twice and from any thread; each resource is released even if releasing
+        another fails. A background save's failure is raised after everything is released.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
             self._closed = True
-            self._preemption.close()
-            self._store.close()
+        with contextlib.ExitStack() as release:  # run in reverse order, each one regardless
+            release.callback(self._store.close)
+            release.callback(self._dist.close)
+            release.callback(self._background_dist.close)
+            release.callback(self._preemption.close)
+            self._background.wait()
 
     def __enter__(self) -> CheckpointManager:
         return self

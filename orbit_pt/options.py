@@ -52,6 +52,10 @@ class CheckpointManagerOptions:
         preemption_signals: signals that mark the job as preempted (see ``reached_preemption``).
         verify_on_restore: ``restore`` checks every file it reads against the checksum recorded
             at commit (a full read of the restored items before loading them).
+        preemption_exit_code: the exit status of a process whose loop saves again after its
+            preemption step was saved (see ``CheckpointManager.save``). The default, 143
+            (128 + SIGTERM), is what schedulers read as "stopped by SIGTERM": torchelastic and a
+            Kubernetes Job count it as a failure to retry, never as a job that completed.
     """
 
     save_interval_steps: int | None = None
@@ -68,6 +72,7 @@ class CheckpointManagerOptions:
     read_only: bool = False
     preemption_signals: Sequence[signal.Signals] = (signal.SIGTERM,)
     verify_on_restore: bool = False
+    preemption_exit_code: int = 143
 
     def __post_init__(self) -> None:
         if self.keep_best_n is not None and self.best_metric is None:
@@ -85,6 +90,12 @@ class CheckpointManagerOptions:
                 raise CheckpointTypeError(
                     f"{name} must be True or False, got {getattr(self, name)!r}"
                 )
+        code = self.preemption_exit_code
+        if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code <= 255:
+            raise CheckpointValueError(
+                f"preemption_exit_code must be an int in 0..255 (a process exit status), got "
+                f"{code!r}"
+            )
         # Both are read again each time a policy is built: a one-shot iterator would be empty
         # the second time, so only re-iterable collections are accepted.
         _check_collection(self.save_on_steps, "save_on_steps", "e.g. [1000, 5000]")
