@@ -33,6 +33,7 @@ from orbit_pt.errors import (
 from orbit_pt.metadata import FileMetadata, ItemMetadata, StepMetadata
 
 logger = logging.getLogger(__name__)
+_MAIN = threading.main_thread()
 
 WriteItems = Callable[[Path], dict[str, ItemMetadata]]
 BuildMetadata = Callable[[dict[str, ItemMetadata], dict[str, FileMetadata]], StepMetadata]
@@ -254,7 +255,7 @@ class StepStore:
         except BaseException as exc:
             if primary:
                 _fs.remove_tree(tmp)
-            if not isinstance(exc, Exception):
+            if not isinstance(exc, Exception) and threading.current_thread() is _MAIN:
                 raise  # KeyboardInterrupt: the peers were told; stop as the user asked
             raise CheckpointSaveError(step, tmp, _reason(exc)) from exc
         # The commit point: rank 0 alone renames, then every rank learns the outcome from it.

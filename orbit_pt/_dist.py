@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -243,6 +244,12 @@ def _describe(error: BaseException) -> str:
 
 
 def _raise(agreed: AgreedError, local: BaseException | None) -> NoReturn:
-    if local is not None and not isinstance(local, Exception):
-        raise local  # KeyboardInterrupt, SystemExit: keep the user's own stop on this rank
+    stop = local is not None and not isinstance(local, Exception)
+    if stop and threading.current_thread() is threading.main_thread():
+        assert local is not None
+        # KeyboardInterrupt, SystemExit: keep the user's own stop on this rank. (On a
+        # background thread, where no signal lands, it is just that agreement's failure.)
+        if hasattr(local, "add_note"):
+            local.add_note(str(agreed))
+        raise local
     raise agreed from local

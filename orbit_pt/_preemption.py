@@ -6,6 +6,13 @@ training loop asks ``reached_preemption(step)`` at a safe point, where every ran
 
 A second signal of the same kind restores the previous disposition and delivers the signal
 again, so a job whose loop never checks the flag can still be stopped.
+
+Handlers form a chain (each one remembers what was installed before it), and managers are not
+always closed in the reverse order they were opened, nor on the main thread -- the only thread
+that may call ``signal.signal``. So ``close()`` puts the previous disposition back only when it
+can (main thread, our handler on top); otherwise our handler stays installed as a pass-through
+that forwards every signal to what was there before it. Handlers above a closed watcher skip it
+when they chain or restore, so the chain heals as the watchers above it close.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import logging
 import os
 import signal
 import threading
+import types
 from collections.abc import Iterable
 from types import FrameType
 from typing import Any
@@ -27,6 +35,8 @@ class PreemptionWatcher:
     def __init__(self, signals: Iterable[signal.Signals]) -> None:
         self._event = threading.Event()
         self._previous: dict[int, Any] = {}
+        self._closed = False
+        self._close_lock = threading.Lock()  # never taken by the handler (it may interrupt us)
         self.signals = tuple(signals)
         if not self.signals:
             return
@@ -38,8 +48,12 @@ class PreemptionWatcher:
             )
             self.signals = ()
             return
-        for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
+        try:
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        except BaseException:
+            self.close()  # an invalid signal (SIGKILL...): undo the ones already installed
+            raise
 
     @property
     def requested(self) -> bool:
@@ -50,11 +64,26 @@ class PreemptionWatcher:
         """Mark this process as preempted (what the signal handler does; also for tests)."""
         self._event.set()
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
+    def _before(self, signum: int) -> Any:
+        """What was installed before us, skipping closed watchers (pass-throughs)."""
         previous = self._previous.get(signum)
+        while (
+            isinstance(previous, types.MethodType)
+            and isinstance(previous.__self__, PreemptionWatcher)
+            and previous.__self__._closed
+        ):
+            previous = previous.__self__._previous.get(signum)
+        # None: installed from outside Python; the default is all we can put back.
+        return signal.SIG_DFL if previous is None else previous
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        previous = self._before(signum)
+        if self._closed:
+            _forward(signum, frame, previous, ours=self._handle)
+            return
         if self._event.is_set():
             # Second signal: the loop is not reacting; fall back to what was there before.
-            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+            signal.signal(signum, previous)
             os.kill(os.getpid(), signum)
             return
         self._event.set()
@@ -67,8 +96,39 @@ class PreemptionWatcher:
             previous(signum, frame)
 
     def close(self) -> None:
-        """Put back the handlers that were installed before ours."""
-        for sig, previous in self._previous.items():
-            if signal.getsignal(sig) == self._handle:
-                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-        self._previous.clear()
+        """Stop watching: put back the previous handlers, or become a pass-through.
+
+        Safe from any thread, idempotent, and never raises (the manager releases its lock after).
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True  # from here on, our handler only forwards; it sets no flag
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal.signal is main-thread only: stay installed as a pass-through
+        for sig in self._previous:
+            try:
+                if signal.getsignal(sig) == self._handle:
+                    signal.signal(sig, self._before(sig))
+                # else: a handler above ours chains to us; we stay in the chain, forwarding.
+            except Exception as exc:  # close() must not fail the manager's close
+                logger.warning(
+                    "could not restore the handler of %s: %s", signal.Signals(sig).name, exc
+                )
+
+
+def _forward(signum: int, frame: FrameType | None, previous: Any, *, ours: Any) -> None:
+    """Deliver a signal to ``previous`` as if our (closed) handler were not there."""
+    if callable(previous):
+        previous(signum, frame)
+        return
+    if previous == signal.SIG_IGN:
+        return
+    # SIG_DFL: the default action can only happen with the default disposition installed.
+    top = signal.getsignal(signum)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    # Still alive (a default that ignores or stops): if a handler above chained to us, it stays;
+    # if ours was on top, the default it forwarded to is what close() would have left.
+    if top is not None and top != ours:
+        signal.signal(signum, top)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,11 +30,27 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., None], args:
     dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn: Callable[..., None], *args: Any) -> None:
+def run_ranks(world_size: int, fn: Callable[..., None], *args: Any, timeout: float = 240.0) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise any failure.
 
-    ``fn`` must be a module-level function (it is pickled by reference into each process).
+    ``fn`` must be a module-level function (it is pickled by reference into each process). A
+    run that has not finished after ``timeout`` seconds is a hang: its ranks are killed and the
+    test fails, so a hang never stalls the suite.
     """
-    mp.spawn(  # type: ignore[attr-defined]
-        _entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True
+    context = mp.start_processes(  # type: ignore[attr-defined]
+        _entry,
+        args=(world_size, free_port(), fn, args),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
     )
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise AssertionError(
+                f"{fn.__name__} on {world_size} ranks did not finish within {timeout:.0f} s: a "
+                "hang (ranks waiting in a collective that a peer never reached)"
+            )
