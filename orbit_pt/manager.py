@@ -547,6 +547,9 @@ class CheckpointManager:
 
     def _check_open(self) -> None:
         if self._closed:
+            # A background failure that another thread's close() raised is still owed to the
+            # thread that saved: it gets that first.
+            self._background.wait()
             raise CheckpointError(
                 f"this CheckpointManager for {self.directory} is closed; open a new one"
             )

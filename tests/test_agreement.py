@@ -189,7 +189,12 @@ def test_a_read_only_manager_opens_on_one_rank_and_groups_are_destroyed(tmp_path
 
 
 def _roots_spelled_differently(rank: int, world_size: int, root: str) -> None:
-    spelled = root if rank == 0 else f"{root}/./"
+    import os
+
+    spelled = root
+    if rank == 1:  # the same folder, as a path relative to the working directory
+        os.chdir(Path(root).parent)
+        spelled = Path(root).name
     options = CheckpointManagerOptions(keep_last_n=1, async_save=True)
     with CheckpointManager(spelled, options=options) as mgr:
         for step in range(3):
