@@ -30,6 +30,13 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., None], args:
     dist.destroy_process_group()
 
 
+def gather(value: object) -> list[object]:
+    """Every rank's ``value`` (inside a rank body), to assert that the ranks agree."""
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def run_ranks(world_size: int, fn: Callable[..., None], *args: Any, timeout: float = 240.0) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise any failure.
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
+from _distributed import gather as _gather
 from _distributed import run_ranks
 
 from orbit_pt import (
@@ -28,12 +28,6 @@ from orbit_pt.handlers import StateHandler
 from orbit_pt.handlers.base import HandlerContext
 
 pytestmark = pytest.mark.distributed
-
-
-def _gather(value: object) -> list[object]:
-    out: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 class _Faulty(StateHandler):

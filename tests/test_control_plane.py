@@ -431,16 +431,20 @@ def test_the_readme_quick_start_given_one_sigterm_saves_one_step_and_exits(tmp_p
     runner = tmp_path / "runner.py"
     runner.write_text(_RUNNER)
     env = {**os.environ, "ORBIT_PT_PROGRESS": "0"}
+
     # optimizer.step() of step 38 is its 39th call: SIGTERM arrives during step 38.
+    def run(term_at: int) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, str(runner), str(code), str(term_at)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
     started = time.monotonic()
-    first = subprocess.run(
-        [sys.executable, str(runner), str(code), "39"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    first = run(39)
     elapsed = time.monotonic() - started
     assert first.returncode == 143, first.stderr[-3000:]
     assert "FINISHED" not in first.stdout
@@ -449,14 +453,7 @@ def test_the_readme_quick_start_given_one_sigterm_saves_one_step_and_exits(tmp_p
     with CheckpointManager(root, options=CheckpointManagerOptions(read_only=True)) as mgr:
         assert mgr.all_steps() == [0, 38]
     assert elapsed < 120
-    second = subprocess.run(
-        [sys.executable, str(runner), str(code), "-1"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    second = run(-1)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "RESTORED 38" in second.stdout
     assert "FINISHED 961" in second.stdout  # steps 39..999: none lost, none repeated

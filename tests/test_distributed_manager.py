@@ -10,7 +10,7 @@ from pathlib import Path
 import filelock
 import pytest
 import torch
-import torch.distributed as dist
+from _distributed import gather as _gather
 from _distributed import run_ranks
 
 from orbit_pt import (
@@ -22,12 +22,6 @@ from orbit_pt import (
 )
 
 pytestmark = pytest.mark.distributed
-
-
-def _gather(value: object) -> list[object]:
-    out: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def _items(step: int, rank: int) -> dict:
