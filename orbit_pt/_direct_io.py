@@ -10,12 +10,17 @@ through ordinary ``pwrite``: they may share a block with a neighbour's range (an
 another rank) and the page cache merges those correctly.
 
 Where O_DIRECT is not supported (tmpfs, some network filesystems) everything is written with
-``pwrite``, which is correct, only slower.
+``pwrite``, which is correct, only slower. Some filesystems accept the O_DIRECT open and then
+refuse the writes with EINVAL; such a writer redoes the refused bytes with ``pwrite`` and stays
+buffered from then on.
 """
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
+import errno
+import logging
 import mmap
 import os
 import queue
@@ -26,12 +31,38 @@ from pathlib import Path
 from orbit_pt import _progress
 from orbit_pt._checksum import Checksum
 
-ALIGN = 4096
+logger = logging.getLogger(__name__)
+
 _BUFFER_BYTES = 16 << 20
 _BUFFERS = 4
 _WRITERS = 2
 # Ranges smaller than this are not worth the bounce buffers.
 _DIRECT_MIN = 4 << 20
+# A power of two, so it divides _BUFFER_BYTES: every full bounce buffer stays aligned.
+_MAX_ALIGN = 1 << 20
+
+_refusal_lock = threading.Lock()
+_refusal_logged = False
+
+
+def _alignment(fd: int) -> int:
+    """The granularity of O_DIRECT offsets and lengths for ``fd``'s file.
+
+    Linux wants the device's logical block size, which Python cannot ask for (statx's
+    STATX_DIOALIGN is not in ``os``); the filesystem's block size and the page size are multiples
+    of it (64 KiB pages exist on aarch64 and ppc64le), so the largest of them is safe. Rounded up
+    to a power of two so it divides the bounce buffers, and capped: network filesystems report
+    their transfer size as their block size, and a larger alignment only sends more bytes through
+    the buffered edges. Memory needs only the logical block size, which the page-aligned bounce
+    buffers always meet. Should a filesystem want more, its EINVAL makes the writer fall back.
+    """
+    try:
+        st = os.fstatvfs(fd)
+        block = max(st.f_bsize, st.f_frsize)
+    except OSError:
+        block = 0
+    size = max(mmap.PAGESIZE, block)
+    return min(1 << (size - 1).bit_length(), _MAX_ALIGN)
 
 
 def _address(view: memoryview) -> int | None:
@@ -43,6 +74,12 @@ def _address(view: memoryview) -> int | None:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
 class RangeWriter:
     """Writes byte streams at offsets of one existing file, then fsyncs it on :meth:`close`."""
 
@@ -50,15 +87,18 @@ class RangeWriter:
         self.path = path
         self._fd = os.open(path, os.O_WRONLY)
         self._direct_fd: int | None = None
+        self._refused = False  # the filesystem refused an O_DIRECT write (EINVAL)
         if direct and hasattr(os, "O_DIRECT"):
             try:
                 self._direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
             except OSError:
                 self._direct_fd = None  # not supported on this filesystem
+        # The granularity of this file's O_DIRECT offsets and lengths.
+        self.alignment = _alignment(self._fd)
 
     @property
     def uses_direct_io(self) -> bool:
-        return self._direct_fd is not None
+        return self._direct_fd is not None and not self._refused
 
     def write(
         self,
@@ -77,24 +117,126 @@ class RangeWriter:
             views = list(views)
             size = sum(len(v) for v in views)
         stream = _Stream(iter(views))
-        if self._direct_fd is None or size < _DIRECT_MIN:
+        if not self.uses_direct_io or size < _DIRECT_MIN:
             self._pwrite(offset, stream.take(size), checksum)
             return
-        head = (-offset) % ALIGN
-        body = (size - head) // ALIGN * ALIGN
+        head = (-offset) % self.alignment
+        body = (size - head) // self.alignment * self.alignment
         self._pwrite(offset, stream.take(head), checksum)
-        _write_direct(self._direct_fd, offset + head, stream.take(body), checksum)
+        self._write_direct(offset + head, stream.take(body), checksum)
         self._pwrite(offset + head + body, stream.take(size - head - body), checksum)
 
     def _pwrite(self, offset: int, chunks: Iterator[memoryview], checksum: Checksum | None) -> None:
         for chunk in chunks:
             if checksum is not None:
                 checksum.update(chunk)
-            done = 0
-            while done < len(chunk):
-                done += os.pwrite(self._fd, chunk[done:], offset + done)
+            _pwrite_all(self._fd, chunk, offset)
             offset += len(chunk)
             _progress.advance(len(chunk))
+
+    def _write_direct(
+        self, offset: int, chunks: Iterator[memoryview], checksum: Checksum | None
+    ) -> None:
+        """Write ``chunks`` (a multiple of the alignment in all) at the aligned ``offset``.
+
+        This thread copies the bytes into bounce buffers while writer threads write full ones.
+        Every buffer goes back to the process-wide pool whatever fails, or later writes would
+        wait for it forever.
+        """
+        free = _BouncePool.get()
+        jobs: queue.Queue[tuple[mmap.mmap, int, int] | None] = queue.Queue()
+        errors: list[BaseException] = []
+        stop = threading.Event()  # the range failed: skip the buffers still queued
+
+        def writer() -> None:
+            while (job := jobs.get()) is not None:
+                buffer, at, length = job
+                try:
+                    if not stop.is_set():
+                        with memoryview(buffer) as whole, whole[:length] as view:
+                            self._write_buffer(view, at)
+                        _progress.advance(length)
+                except BaseException as exc:
+                    errors.append(exc)
+                    stop.set()
+                finally:
+                    free.put(buffer)
+
+        started: list[threading.Thread] = []
+        held: mmap.mmap | None = None  # the buffer this thread is filling
+        try:
+            for _ in range(_WRITERS):
+                # Threads do not inherit context variables; the copy carries the progress display.
+                context = contextvars.copy_context()
+                thread = threading.Thread(target=context.run, args=(writer,), daemon=True)
+                thread.start()
+                started.append(thread)
+            held = free.get()
+            base = ctypes.addressof(ctypes.c_char.from_buffer(held))
+            filled = 0
+            position = offset
+            for chunk in chunks:
+                if checksum is not None:
+                    checksum.update(chunk)
+                while len(chunk) and not stop.is_set():
+                    n = min(len(chunk), _BUFFER_BYTES - filled)
+                    source = _address(chunk)
+                    if source is not None:
+                        ctypes.memmove(base + filled, source, n)  # releases the GIL
+                    else:
+                        held[filled : filled + n] = chunk[:n]
+                    filled += n
+                    chunk = chunk[n:]
+                    if filled == _BUFFER_BYTES:
+                        full, held = held, None
+                        jobs.put((full, position, filled))
+                        position += filled
+                        filled = 0
+                        # Never waits forever: writers return every buffer, even when they fail.
+                        held = free.get()
+                        base = ctypes.addressof(ctypes.c_char.from_buffer(held))
+                if stop.is_set():
+                    break
+            if filled and not stop.is_set():
+                last, held = held, None
+                jobs.put((last, position, filled))  # a multiple of the alignment
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            if held is not None:
+                free.put(held)
+            for _ in started:
+                jobs.put(None)
+            for thread in started:
+                thread.join()
+        if errors:
+            raise errors[0]
+
+    def _write_buffer(self, view: memoryview, offset: int) -> None:
+        """Write one bounce buffer with O_DIRECT, or buffered once the filesystem refused it."""
+        if self._direct_fd is not None and not self._refused:
+            try:
+                _pwrite_all(self._direct_fd, view, offset)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._refuse_direct_io()
+        _pwrite_all(self._fd, view, offset)  # all of it again: part may have gone before EINVAL
+
+    def _refuse_direct_io(self) -> None:
+        global _refusal_logged
+        self._refused = True
+        with _refusal_lock:
+            if _refusal_logged:
+                return
+            _refusal_logged = True
+        logger.warning(
+            "%s: the filesystem refused an O_DIRECT write (EINVAL); writing with buffered I/O "
+            "instead, which is correct but slower",
+            self.path,
+        )
 
     def close(self) -> None:
         """fsync the file (one fsync covers both descriptors) and close it."""
@@ -142,68 +284,3 @@ class _BouncePool:
                 for _ in range(_BUFFERS):
                     cls._free.put(mmap.mmap(-1, _BUFFER_BYTES))
             return cls._free
-
-
-def _write_direct(
-    fd: int, offset: int, chunks: Iterator[memoryview], checksum: Checksum | None
-) -> None:
-    """Write ``chunks`` (a multiple of ALIGN bytes in all) at the aligned ``offset``."""
-    free = _BouncePool.get()
-    jobs: queue.Queue[tuple[mmap.mmap, int, int] | None] = queue.Queue()
-    errors: list[BaseException] = []
-
-    def writer() -> None:
-        while (job := jobs.get()) is not None:
-            buffer, at, length = job
-            try:
-                if not errors:
-                    view = memoryview(buffer)[:length]
-                    done = 0
-                    while done < length:
-                        done += os.pwrite(fd, view[done:], at + done)
-                    view.release()
-                    _progress.advance(length)
-            except BaseException as exc:
-                errors.append(exc)
-            finally:
-                free.put(buffer)
-
-    threads = [threading.Thread(target=writer, daemon=True) for _ in range(_WRITERS)]
-    for t in threads:
-        t.start()
-    try:
-        buffer = free.get()
-        base = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-        filled = 0
-        position = offset
-        for chunk in chunks:
-            if checksum is not None:
-                checksum.update(chunk)
-            while len(chunk):
-                n = min(len(chunk), _BUFFER_BYTES - filled)
-                source = _address(chunk)
-                if source is not None:
-                    ctypes.memmove(base + filled, source, n)  # releases the GIL
-                else:
-                    buffer[filled : filled + n] = chunk[:n]
-                filled += n
-                chunk = chunk[n:]
-                if filled == _BUFFER_BYTES:
-                    jobs.put((buffer, position, filled))
-                    position += filled
-                    buffer = free.get()
-                    base = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-                    filled = 0
-            if errors:
-                break
-        if filled:
-            jobs.put((buffer, position, filled))  # a multiple of ALIGN by construction
-        else:
-            free.put(buffer)
-    finally:
-        for _ in threads:
-            jobs.put(None)
-        for t in threads:
-            t.join()
-    if errors:
-        raise errors[0]

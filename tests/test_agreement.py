@@ -230,8 +230,9 @@ def test_a_restore_that_fails_on_one_rank_fails_on_every_rank(tmp_path: Path) ->
 
 def _holes_and_overlaps(rank: int, world_size: int, root: str) -> None:
     import orbit_pt.handlers.model as model_module
+    from orbit_pt import _sharding
 
-    original = model_module.write_files
+    original = _sharding.write_files
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     mode = {"value": "ok"}
@@ -257,7 +258,7 @@ def _holes_and_overlaps(rank: int, world_size: int, root: str) -> None:
             ]
         original(files, **kwargs)
 
-    model_module.write_files = buggy  # type: ignore[assignment]
+    setattr(model_module, "write_files", buggy)  # noqa: B010 -- a private name, patched
     with CheckpointManager(root) as mgr:
         mode["value"] = "hole"
         with pytest.raises(CheckpointSaveError, match="written by no rank"):

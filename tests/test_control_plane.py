@@ -26,6 +26,7 @@ from orbit_pt import (
     CheckpointManagerOptions,
     CheckpointSaveError,
     PreemptionExit,
+    _sharding,
 )
 from orbit_pt.handlers import StateHandler
 from orbit_pt.handlers.base import HandlerContext
@@ -257,7 +258,7 @@ def test_a_hole_in_a_piecewise_written_file_fails_the_save(
 ) -> None:
     """Defect 12 on one process: a handler that leaves bytes of a file unwritten (they would
     read back as zeros with a valid checksum) is caught before the commit."""
-    original = model_module.write_files
+    original = _sharding.write_files
 
     def forgetful(files: Any, **kwargs: Any) -> None:
         first = files[0]

@@ -31,8 +31,8 @@ class HandlerContext:
             step's own agreement runs on; a handler that must coordinate ranks inside ``save``
             (the model and optimizer handlers: rank 0 creates the files, then every rank writes
             its rows) calls ``collective.run_everywhere(tag, fn)``, which is a barrier that
-            also agrees on failures (``tag``: a constant string, the same on every rank). None on one process, and when a handler is called
-            outside a manager.
+            also agrees on failures (``tag``: a constant string, the same on every rank).
+            None on one process, and when a handler is called outside a manager.
     """
 
     step: int
