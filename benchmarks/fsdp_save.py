@@ -72,7 +72,7 @@ def _save(mode: str, model: torch.nn.Module, workdir: Path, round_: int, mgr: An
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from orbit_pt._dist import Collective
+    from orbit_pt._control.collective import Collective
     from orbit_pt.handlers import HandlerContext, ModelHandler
 
     rank = dist.get_rank()

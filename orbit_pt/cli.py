@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orbit_pt import _layout, _version
-from orbit_pt._safetensors import SafetensorsReader
+from orbit_pt import _version
+from orbit_pt._format.safetensors import SafetensorsReader
+from orbit_pt._storage import layout as _layout
 from orbit_pt.errors import (
     CheckpointError,
     CheckpointLockedError,

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from orbit_pt import _fs, _layout
-from orbit_pt._safetensors import SafetensorsReader, write_safetensors
+from orbit_pt._format.safetensors import SafetensorsReader, write_safetensors
+from orbit_pt._storage import fs as _fs
+from orbit_pt._storage import layout as _layout
 from orbit_pt.errors import (
     CheckpointValueError,
     CorruptCheckpointError,

@@ -13,11 +13,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from orbit_pt import _layout, _progress, _version
-from orbit_pt._background import BackgroundSaver
-from orbit_pt._commit import StepStore
-from orbit_pt._dist import AgreedError, Collective
-from orbit_pt._preemption import PreemptionWatcher
+from orbit_pt import _version
+from orbit_pt._control.background import BackgroundSaver
+from orbit_pt._control.collective import AgreedError, Collective
+from orbit_pt._control.preemption import PreemptionWatcher
+from orbit_pt._format import progress as _progress
+from orbit_pt._storage import layout as _layout
+from orbit_pt._storage.store import StepStore
 from orbit_pt.errors import (
     CheckpointError,
     CheckpointSaveError,

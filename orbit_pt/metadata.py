@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orbit_pt import _checksum, _layout
+from orbit_pt._format import checksum as _checksum
+from orbit_pt._storage import layout as _layout
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
 
 FORMAT_NAME = "orbit_pt"

@@ -34,8 +34,9 @@ from typing import Any, Literal
 
 import msgpack
 
-from orbit_pt import _checksum, _layout
-from orbit_pt._safetensors import SafetensorsReader
+from orbit_pt._format import checksum as _checksum
+from orbit_pt._format.safetensors import SafetensorsReader
+from orbit_pt._storage import layout as _layout
 from orbit_pt.errors import (
     CheckpointError,
     CheckpointValueError,

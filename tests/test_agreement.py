@@ -23,7 +23,7 @@ from orbit_pt import (
     CheckpointSaveError,
     StateMismatchError,
 )
-from orbit_pt._commit import StepStore
+from orbit_pt._storage.store import StepStore
 from orbit_pt.handlers import StateHandler
 from orbit_pt.handlers.base import HandlerContext
 
@@ -230,7 +230,7 @@ def test_a_restore_that_fails_on_one_rank_fails_on_every_rank(tmp_path: Path) ->
 
 def _holes_and_overlaps(rank: int, world_size: int, root: str) -> None:
     import orbit_pt.handlers.model as model_module
-    from orbit_pt import _sharding
+    from orbit_pt._format import sharding as _sharding
 
     original = _sharding.write_files
     torch.manual_seed(0)

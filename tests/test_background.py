@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from orbit_pt._background import BackgroundSaver
+from orbit_pt._control.background import BackgroundSaver
 from orbit_pt.errors import CheckpointSaveError
 
 TIMEOUT = 30.0

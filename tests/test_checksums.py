@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from orbit_pt import CheckpointManager, CheckpointManagerOptions, CorruptCheckpointError, _checksum
+from orbit_pt import CheckpointManager, CheckpointManagerOptions, CorruptCheckpointError
+from orbit_pt._format import checksum as _checksum
 
 
 def _save(root: Path) -> CheckpointManager:

@@ -215,7 +215,7 @@ def test_info_reads_headers_only(
     root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # No tensor data may be read: make reading any tensor fail.
-    from orbit_pt import _safetensors
+    from orbit_pt._format import safetensors as _safetensors
 
     def no_data(*args: object, **kwargs: object) -> None:
         raise AssertionError("info read tensor data")

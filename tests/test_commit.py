@@ -410,9 +410,9 @@ def test_rollback_to_before_every_step(root: Path) -> None:
 
 
 def test_repeated_rollbacks_never_collide(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import orbit_pt._commit
+    import orbit_pt._storage.store
 
-    monkeypatch.setattr(orbit_pt._commit, "datetime", FrozenDatetime)
+    monkeypatch.setattr(orbit_pt._storage.store, "datetime", FrozenDatetime)
     with CheckpointManager(root) as mgr:
         save_steps(mgr, [1, 2, 3])
         for round_ in range(4):

@@ -26,8 +26,8 @@ from orbit_pt import (
     CheckpointManagerOptions,
     CheckpointSaveError,
     PreemptionExit,
-    _sharding,
 )
+from orbit_pt._format import sharding as _sharding
 from orbit_pt.handlers import StateHandler
 from orbit_pt.handlers.base import HandlerContext
 
@@ -277,7 +277,7 @@ def test_a_hole_in_a_piecewise_written_file_fails_the_save(
 
 def test_coverage_problems_are_named() -> None:
     """The coverage rule itself: exact tiling passes; holes, overlaps and overruns are named."""
-    from orbit_pt._coverage import intervals, problems
+    from orbit_pt._format.coverage import intervals, problems
 
     assert intervals([(10, 5), (0, 10), (12, 1)]) == [[0, 15]]
     assert problems(20, {0: [[0, 10]], 1: [[10, 20]]}) == []

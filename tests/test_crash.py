@@ -32,7 +32,7 @@ import torch
 from _crash_worker import EXIT_CODE, make_state
 
 from orbit_pt import CheckpointManager, CheckpointManagerOptions
-from orbit_pt._layout import parse_step_name
+from orbit_pt._storage.layout import parse_step_name
 from orbit_pt.metadata import StepMetadata
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the crash worker forks savers")

@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from orbit_pt import _checksum, _direct_io, _progress
-from orbit_pt._direct_io import RangeWriter
-from orbit_pt._safetensors import tensor_bytes
+from orbit_pt._format import checksum as _checksum
+from orbit_pt._format import direct_io as _direct_io
+from orbit_pt._format import progress as _progress
+from orbit_pt._format.direct_io import RangeWriter
+from orbit_pt._format.safetensors import tensor_bytes
 
 MB = 1 << 20
 
@@ -348,7 +350,7 @@ def test_einval_from_o_direct_falls_back_to_buffered_writes(
     writer = RangeWriter(path)
     direct_at_first = writer.uses_direct_io
     try:
-        with caplog.at_level(logging.WARNING, logger="orbit_pt._direct_io"):
+        with caplog.at_level(logging.WARNING, logger="orbit_pt._format.direct_io"):
             writer.write(1, views, checksum)
             direct_after_einval = writer.uses_direct_io
             tried = len(calls)
@@ -362,7 +364,7 @@ def test_einval_from_o_direct_falls_back_to_buffered_writes(
     assert path.read_bytes() == b"\xab" + expected + expected
     assert other.read_bytes() == expected
     assert checksum.value() == _checksum.of_bytes(expected)
-    warnings = [r for r in caplog.records if r.name == "orbit_pt._direct_io"]
+    warnings = [r for r in caplog.records if r.name == "orbit_pt._format.direct_io"]
     assert len(warnings) == 1
     assert str(path) in warnings[0].getMessage()
     assert "O_DIRECT" in warnings[0].getMessage()

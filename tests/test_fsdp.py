@@ -30,7 +30,7 @@ from orbit_pt import (
     CheckpointSaveError,
     StateMismatchError,
 )
-from orbit_pt._direct_io import RangeWriter
+from orbit_pt._format.direct_io import RangeWriter
 from orbit_pt.handlers import ModelHandler, OptimizerHandler, StateHandler
 from orbit_pt.recipe import RecipeState, RNGState
 
@@ -333,8 +333,8 @@ class _Records(logging.Handler):
 
 def _other_layouts(rank: int, world_size: int, root: str, ref: str) -> None:
     records = _Records()
-    logging.getLogger("orbit_pt._sharding").addHandler(records)
-    logging.getLogger("orbit_pt._sharding").setLevel(logging.INFO)
+    logging.getLogger("orbit_pt._format.sharding").addHandler(records)
+    logging.getLogger("orbit_pt._format.sharding").setLevel(logging.INFO)
     mesh = init_device_mesh("cpu", (world_size,))
 
     def tensor_parallel(seed: int) -> torch.nn.Linear:

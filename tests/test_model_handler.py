@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from orbit_pt import CheckpointError, CheckpointManager, CorruptCheckpointError, StateMismatchError
-from orbit_pt._safetensors import build_header
+from orbit_pt._format.safetensors import build_header
 from orbit_pt.errors import CheckpointValueError
 from orbit_pt.handlers import HandlerContext, ModelHandler, default_handler
 from orbit_pt.handlers.model import (

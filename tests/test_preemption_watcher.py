@@ -21,7 +21,7 @@ from types import FrameType
 
 import pytest
 
-from orbit_pt._preemption import PreemptionWatcher
+from orbit_pt._control.preemption import PreemptionWatcher
 
 SIG = signal.SIGUSR1
 TIMEOUT = 30.0
@@ -266,7 +266,9 @@ def test_invalid_signal_undoes_the_handlers_already_installed(original: _Origina
 
 
 def _run_script(body: str) -> subprocess.CompletedProcess[str]:
-    script = "import os, signal, threading\nfrom orbit_pt._preemption import PreemptionWatcher\n"
+    script = (
+        "import os, signal, threading\nfrom orbit_pt._control.preemption import PreemptionWatcher\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-c", script + textwrap.dedent(body)],

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from orbit_pt import CheckpointManager, _progress
+from orbit_pt import CheckpointManager
+from orbit_pt._format import progress as _progress
 
 
 class _Terminal(io.StringIO):

@@ -906,7 +906,7 @@ def test_a_failed_retention_delete_does_not_fail_the_committed_save(
 ) -> None:
     import os
 
-    from orbit_pt import _commit
+    from orbit_pt._storage import store as _commit
 
     mgr = CheckpointManager(tmp_path, options=CheckpointManagerOptions(keep_last_n=1))
     mgr.save(0, {"x": {"v": 0}})

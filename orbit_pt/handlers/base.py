@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from orbit_pt._dist import Collective
+from orbit_pt._control.collective import Collective
 
 
 @dataclass(frozen=True)

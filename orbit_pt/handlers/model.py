@@ -15,7 +15,7 @@ plan free of tensor data is what lets every rank of a sharded save agree on the 
 only its own rows into them.
 
 Under torch.distributed with FSDP2 (DTensor parameters sharded on dim 0) every rank writes the
-rows of its own local shard into the same files (see :mod:`orbit_pt._sharding` and
+rows of its own local shard into the same files (see :mod:`orbit_pt._format.sharding` and
 docs/fsdp.md); the folder is byte for byte the one a single process writes. A restore reads only
 the rows each rank holds, whatever the number of ranks that saved.
 """
@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 
-from orbit_pt._safetensors import (
+from orbit_pt._format.safetensors import (
     DTYPE_TO_NAME,
     SafetensorsReader,
     TensorEntry,
     build_header,
 )
-from orbit_pt._sharding import (
+from orbit_pt._format.sharding import (
     FileWrite,
     Piece,
     is_dtensor,
@@ -48,7 +48,7 @@ from orbit_pt._sharding import (
     stage_pieces,
     write_files,
 )
-from orbit_pt._staging import StagingPool
+from orbit_pt._format.staging import StagingPool
 from orbit_pt.errors import (
     CheckpointTypeError,
     CheckpointValueError,

@@ -36,8 +36,8 @@ from typing import Any
 import msgpack
 import torch
 
-from orbit_pt._safetensors import SafetensorsReader, TensorEntry, build_header
-from orbit_pt._sharding import (
+from orbit_pt._format.safetensors import SafetensorsReader, TensorEntry, build_header
+from orbit_pt._format.sharding import (
     FileWrite,
     Piece,
     is_dtensor,
@@ -46,7 +46,7 @@ from orbit_pt._sharding import (
     stage_pieces,
     write_files,
 )
-from orbit_pt._staging import StagingPool
+from orbit_pt._format.staging import StagingPool
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, StateMismatchError
 from orbit_pt.handlers.base import HandlerContext
 from orbit_pt.handlers.model import parameter_names

@@ -20,8 +20,8 @@ from typing import Any
 import msgpack
 import torch
 
-from orbit_pt._safetensors import DTYPE_TO_NAME, SafetensorsReader, write_safetensors
-from orbit_pt._staging import StagingPool
+from orbit_pt._format.safetensors import DTYPE_TO_NAME, SafetensorsReader, write_safetensors
+from orbit_pt._format.staging import StagingPool
 from orbit_pt.errors import CheckpointTypeError, CorruptCheckpointError, StateMismatchError
 from orbit_pt.handlers.base import HandlerContext
 

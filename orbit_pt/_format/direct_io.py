@@ -28,8 +28,8 @@ import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from orbit_pt import _progress
-from orbit_pt._checksum import Checksum
+from orbit_pt._format import progress as _progress
+from orbit_pt._format.checksum import Checksum
 
 logger = logging.getLogger(__name__)
 

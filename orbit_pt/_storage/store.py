@@ -20,8 +20,12 @@ from pathlib import Path
 
 import filelock
 
-from orbit_pt import _checksum, _coverage, _fs, _layout, _progress
-from orbit_pt._dist import Collective
+from orbit_pt._control.collective import Collective
+from orbit_pt._format import checksum as _checksum
+from orbit_pt._format import coverage as _coverage
+from orbit_pt._format import progress as _progress
+from orbit_pt._storage import fs as _fs
+from orbit_pt._storage import layout as _layout
 from orbit_pt.errors import (
     CheckpointError,
     CheckpointLockedError,

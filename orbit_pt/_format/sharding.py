@@ -30,18 +30,19 @@ from typing import Any
 
 import torch
 
-from orbit_pt import _checksum, _coverage
-from orbit_pt._checksum import Checksum
-from orbit_pt._direct_io import RangeWriter
-from orbit_pt._dist import Collective
-from orbit_pt._safetensors import (
+from orbit_pt._control.collective import Collective
+from orbit_pt._format import checksum as _checksum
+from orbit_pt._format import coverage as _coverage
+from orbit_pt._format.checksum import Checksum
+from orbit_pt._format.direct_io import RangeWriter
+from orbit_pt._format.safetensors import (
     SafetensorsReader,
     TensorEntry,
     create_file,
     read_range,
     tensor_bytes,
 )
-from orbit_pt._staging import StagingPool
+from orbit_pt._format.staging import StagingPool
 from orbit_pt.errors import CheckpointValueError, CorruptCheckpointError
 
 logger = logging.getLogger(__name__)

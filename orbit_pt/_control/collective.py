@@ -7,6 +7,7 @@ never puts a NCCL collective on a background thread. On one process every method
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import threading
@@ -16,7 +17,6 @@ from typing import Any, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
-from orbit_pt._safetensors import tensor_bytes
 from orbit_pt.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -51,8 +51,10 @@ def _encode(value: Any) -> torch.Tensor:
 
 
 def _decode(payload: torch.Tensor) -> Any:
-    # numpy is not a dependency: read the bytes through a zero-copy view of the tensor.
-    return json.loads(bytes(tensor_bytes(payload.contiguous())) if payload.numel() else b"null")
+    # numpy is not a dependency: copy the bytes out of the tensor's memory directly.
+    payload = payload.contiguous()
+    data = ctypes.string_at(payload.data_ptr(), payload.numel()) if payload.numel() else b"null"
+    return json.loads(data)
 
 
 def _json_round_trip(value: Any) -> Any:

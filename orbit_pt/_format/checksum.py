@@ -18,7 +18,7 @@ from pathlib import Path
 
 import xxhash
 
-from orbit_pt import _progress
+from orbit_pt._format import progress as _progress
 from orbit_pt.errors import CheckpointValueError
 
 ALGORITHM = "xxh3-64"

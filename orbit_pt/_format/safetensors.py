@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from orbit_pt import _checksum, _progress
-from orbit_pt._direct_io import RangeWriter
+from orbit_pt._format import checksum as _checksum
+from orbit_pt._format import progress as _progress
+from orbit_pt._format.direct_io import RangeWriter
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
 
 DTYPE_TO_NAME: dict[torch.dtype, str] = {
