@@ -137,16 +137,7 @@ class CheckpointManagerOptions:
                 )
             )
         custom = self._custom_retention()
-        leaves = [leaf for c in custom for leaf in p.flatten_retention(c)]
-        for option, policy in built:
-            for leaf in leaves:
-                if type(leaf) is type(policy):
-                    name = option.split("=", 1)[0]
-                    raise CheckpointValueError(
-                        f"both {option} and {leaf!r} in retention= were given, and they are the "
-                        f"same kind of rule; drop {name}= or remove the "
-                        f"{type(leaf).__name__} from retention="
-                    )
+        _refuse_clash(built, [leaf for c in custom for leaf in p.flatten_retention(c)], "retention")
         policies = [policy for _, policy in built] + custom
         if not policies:
             return None
@@ -197,16 +188,7 @@ class CheckpointManagerOptions:
                     "combine several with AnySavePolicy(...)"
                 )
             custom = [self.save_policy]
-            leaves = p.flatten_save(self.save_policy)
-            for option, policy in built:
-                for leaf in leaves:
-                    if type(leaf) is type(policy):
-                        name = option.split("=", 1)[0]
-                        raise CheckpointValueError(
-                            f"both {option} and {leaf!r} in save_policy= were given, and they "
-                            f"are the same kind of rule; drop {name}= or remove the "
-                            f"{type(leaf).__name__} from save_policy="
-                        )
+            _refuse_clash(built, p.flatten_save(self.save_policy), "save_policy")
         policies = [policy for _, policy in built] + custom
         if not policies:
             policies = [p.EveryNSteps(1)]
@@ -230,6 +212,18 @@ class CheckpointManagerOptions:
                     f"list of them, got {policy!r} ({type(policy).__name__}) in it"
                 )
         return given
+
+
+def _refuse_clash(built: Sequence[tuple[str, object]], leaves: Sequence[object], arg: str) -> None:
+    """An option and a custom policy of the same kind is ambiguous: refuse it, naming both."""
+    for option, policy in built:
+        for leaf in leaves:
+            if type(leaf) is type(policy):
+                name = option.split("=", 1)[0]
+                raise CheckpointValueError(
+                    f"both {option} and {leaf!r} in {arg}= were given, and they are the same "
+                    f"kind of rule; drop {name}= or remove the {type(leaf).__name__} from {arg}="
+                )
 
 
 def _check_collection(value: object, name: str, example: str) -> None:

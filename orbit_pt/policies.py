@@ -15,9 +15,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, TypeVar, runtime_checkable
 
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError
+
+T = TypeVar("T")
 
 __all__ = [
     "AnyOf",
@@ -219,18 +221,15 @@ class AnyOf:
     policies: tuple[RetentionPolicy, ...]
 
     def __init__(self, *policies: RetentionPolicy) -> None:
-        if not policies:
-            raise CheckpointValueError(
-                "AnyOf() needs at least one retention policy; an empty union would keep only the "
-                "latest step. Leave retention=None to keep every step"
-            )
-        for policy in policies:
-            if not isinstance(policy, RetentionPolicy):
-                raise CheckpointTypeError(
-                    "AnyOf takes retention policies (objects with keep(checkpoints)), got "
-                    f"{policy!r} ({type(policy).__name__})"
-                )
-        object.__setattr__(self, "policies", tuple(policies))
+        members = _union(
+            policies,
+            RetentionPolicy,
+            "AnyOf",
+            "retention policies (objects with keep(checkpoints))",
+            "an empty union would keep only the latest step. Leave retention=None to keep every "
+            "step",
+        )
+        object.__setattr__(self, "policies", members)
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         """Every step that at least one policy keeps."""
@@ -287,18 +286,14 @@ class AnySavePolicy:
     policies: tuple[SavePolicy, ...]
 
     def __init__(self, *policies: SavePolicy) -> None:
-        if not policies:
-            raise CheckpointValueError(
-                "AnySavePolicy() needs at least one save policy; an empty one would never save. "
-                "Leave save_policy=None to save every step"
-            )
-        for policy in policies:
-            if not isinstance(policy, SavePolicy):
-                raise CheckpointTypeError(
-                    "AnySavePolicy takes save policies (objects with should_save(step, *, "
-                    f"preempted)), got {policy!r} ({type(policy).__name__})"
-                )
-        object.__setattr__(self, "policies", tuple(policies))
+        members = _union(
+            policies,
+            SavePolicy,
+            "AnySavePolicy",
+            "save policies (objects with should_save(step, *, preempted))",
+            "an empty one would never save. Leave save_policy=None to save every step",
+        )
+        object.__setattr__(self, "policies", members)
 
     def should_save(self, step: int, *, preempted: bool = False) -> bool:
         """Whether at least one policy says so."""
@@ -306,6 +301,18 @@ class AnySavePolicy:
 
 
 # ---------------------------------------------------------------------------------------- helpers
+
+
+def _union(policies: tuple[T, ...], kind: type, name: str, what: str, empty: str) -> tuple[T, ...]:
+    """The members of a union policy, checked: at least one, each of the right protocol."""
+    if not policies:
+        raise CheckpointValueError(f"{name}() needs at least one of its {what}; {empty}")
+    for policy in policies:
+        if not isinstance(policy, kind):
+            raise CheckpointTypeError(
+                f"{name} takes {what}, got {policy!r} ({type(policy).__name__})"
+            )
+    return policies
 
 
 def _steps(steps: Iterable[int], name: str) -> list[int]:
