@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, StateMismatchError
+from orbit_pt.handlers.state import has_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class RecipeState:
     def state_dict(self) -> dict[str, Any]:
         """Plain fields as they are, stateful fields as their ``state_dict()``."""
         return {
-            name: value.state_dict() if _is_stateful(value) else value
+            name: value.state_dict() if has_state_dict(value) else value
             for name, value in self.fields().items()
         }
 
@@ -169,7 +170,7 @@ class RecipeState:
                 f"RecipeState.load_state_dict needs a mapping, got {type(state).__name__}"
             )
         current = self.fields()
-        missing = [n for n, v in current.items() if _is_stateful(v) and n not in state]
+        missing = [n for n, v in current.items() if has_state_dict(v) and n not in state]
         if missing:
             raise StateMismatchError(
                 f"the saved recipe state has no field(s) {missing}; it holds {sorted(state)}. "
@@ -180,7 +181,7 @@ class RecipeState:
             live = current.get(name)
             if isinstance(live, RNGState):
                 rngs.append((live, value))
-            elif live is not None and _is_stateful(live):
+            elif live is not None and has_state_dict(live):
                 live.load_state_dict(value)
             else:
                 setattr(self, str(name), value)
@@ -192,7 +193,7 @@ class RecipeState:
             # interrupted run left them.
             for name in state:
                 live = current.get(name)
-                if live is not None and not isinstance(live, RNGState) and _is_stateful(live):
+                if live is not None and not isinstance(live, RNGState) and has_state_dict(live):
                     live.state_dict()
             for rng, value in rngs:
                 rng.load_state_dict(value)
@@ -206,12 +207,6 @@ class RecipeState:
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v!r}" for k, v in self.fields().items())
         return f"RecipeState({shown})"
-
-
-def _is_stateful(value: Any) -> bool:
-    return callable(getattr(value, "state_dict", None)) and callable(
-        getattr(value, "load_state_dict", None)
-    )
 
 
 def _numpy() -> Any:

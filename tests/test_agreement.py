@@ -237,26 +237,17 @@ def _holes_and_overlaps(rank: int, world_size: int, root: str) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     mode = {"value": "ok"}
 
-    def buggy(files: Any, **kwargs: Any) -> None:
+    def buggy(directory: Path, files: Any, pieces: Any, **kwargs: Any) -> None:
         # A handler bug: rank 0 forgets one tensor (a hole), or rank 1 also writes rank 0's
         # tensors (an overlap).
         if mode["value"] == "hole" and rank == 0:
-            first = files[0]
-            files = [type(first)(first.path, first.header, first.data_size, first.pieces[1:])]
+            first = files[0].tensors[0].name
+            p = pieces[first]
+            pieces = {**pieces, first: type(p)(p.shape, p.dtype, None, p.row)}
         if mode["value"] == "overlap" and rank == 1:
-            files = [
-                type(f)(
-                    f.path,
-                    f.header,
-                    f.data_size,
-                    tuple(
-                        (e, type(p)(p.shape, p.dtype, model.state_dict()[e.name], p.row))
-                        for e, p in f.pieces
-                    ),
-                )
-                for f in files
-            ]
-        original(files, **kwargs)
+            state = model.state_dict()
+            pieces = {n: type(p)(p.shape, p.dtype, state[n], p.row) for n, p in pieces.items()}
+        original(directory, files, pieces, **kwargs)
 
     setattr(model_module, "write_files", buggy)  # noqa: B010 -- a private name, patched
     with CheckpointManager(root) as mgr:

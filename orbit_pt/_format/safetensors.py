@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -46,6 +48,9 @@ DTYPE_TO_NAME: dict[torch.dtype, str] = {
     torch.float8_e5m2: "F8_E5M2",
 }
 NAME_TO_DTYPE = {name: dtype for dtype, name in DTYPE_TO_NAME.items()}
+
+# transformers refuses safetensors files whose header metadata lacks format "pt".
+HEADER_METADATA: Mapping[str, str] = MappingProxyType({"format": "pt"})
 
 # Reads and writes go through buffers of this size so that no syscall moves gigabytes at once.
 _CHUNK = 64 << 20
@@ -80,7 +85,49 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(buffer).cast("B")
 
 
+@dataclass(frozen=True)
+class PlannedFile:
+    """The layout of one safetensors file, computed from tensor names, dtypes and shapes alone.
+
+    Every rank of a distributed save computes the same plan without holding the tensors; the
+    tensor bytes are written into the planned ranges afterwards (``_format.sharding``).
+
+    Attributes:
+        filename: the file's name inside the item's folder.
+        header: the file's first bytes (length prefix and JSON header).
+        tensors: where each tensor lies, as absolute offsets into the file, in file order.
+    """
+
+    filename: str
+    header: bytes
+    tensors: tuple[TensorEntry, ...]
+
+    @property
+    def data_size(self) -> int:
+        """Bytes after the header."""
+        return sum(t.nbytes for t in self.tensors)
+
+
+def plan_file(
+    filename: str,
+    specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+    metadata: Mapping[str, str] | None = None,
+) -> PlannedFile:
+    """Lay out ``(name, dtype, shape)`` tensors, in order, as the file ``filename``."""
+    header, offsets = build_header(specs, metadata)
+    tensors = tuple(
+        TensorEntry(name, dtype, tuple(shape), *offsets[name]) for name, dtype, shape in specs
+    )
+    return PlannedFile(filename, header, tensors)
+
+
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    """``"bfloat16"`` for ``torch.bfloat16``: the name config.json and orbit_pt's metadata use."""
+    return str(dtype).removeprefix("torch.")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of ``dtype`` (``"BF16"``); a clear error for one it cannot store."""
     try:
         return DTYPE_TO_NAME[dtype]
     except KeyError:
@@ -103,10 +150,7 @@ def build_header(
     offsets: dict[str, tuple[int, int]] = {}
     position = 0
     for name, dtype, shape in entries:
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        size = numel * torch.empty((), dtype=dtype).element_size()
+        size = math.prod(shape) * dtype.itemsize
         header[name] = {
             "dtype": dtype_name(dtype),
             "shape": list(shape),
@@ -180,6 +224,17 @@ class SafetensorsReader:
             _read_into(f, entry.start, tensor_bytes(out), self.path)
         return out
 
+    def read_into(self, name: str, target: torch.Tensor) -> torch.Tensor:
+        """Read tensor ``name`` into ``target`` (same shape; any device, layout or dtype).
+
+        The bytes go straight from the file into ``target``'s memory when it can take them
+        (:func:`fits_in_place`); otherwise through a new tensor that is copied, and cast, over.
+        """
+        entry = self.entries[name]
+        if fits_in_place(target, entry.dtype, entry.shape):
+            return self.read(name, out=target)
+        return target.copy_(self.read(name))
+
     def read_all(self) -> dict[str, torch.Tensor]:
         """Every tensor, read in file order with one open file."""
         out: dict[str, torch.Tensor] = {}
@@ -189,6 +244,20 @@ class SafetensorsReader:
                 _read_into(f, entry.start, tensor_bytes(tensor), self.path)
                 out[name] = tensor
         return out
+
+
+def fits_in_place(out: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> bool:
+    """Whether file bytes of ``dtype`` and ``shape`` can be read straight into ``out``'s memory.
+
+    That needs contiguous CPU memory of the same dtype and shape; a restore into anything else
+    reads into a new tensor and copies it over.
+    """
+    return (
+        out.device.type == "cpu"
+        and out.is_contiguous()
+        and out.dtype == dtype
+        and tuple(out.shape) == tuple(shape)
+    )
 
 
 def _read_into(f: object, offset: int, view: memoryview, path: Path) -> None:
@@ -240,10 +309,11 @@ def _read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
             begin, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
             raise corrupt(f"entry {name!r} is malformed: {exc}") from exc
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        if any(d < 0 for d in shape) or end - begin != numel * dtype.itemsize or begin < 0:
+        if (
+            any(d < 0 for d in shape)
+            or end - begin != math.prod(shape) * dtype.itemsize
+            or begin < 0
+        ):
             raise corrupt(f"entry {name!r} has offsets {begin}..{end} that do not fit {shape}")
         if data_start + end > size:
             raise corrupt(

@@ -24,7 +24,7 @@ import itertools
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +36,11 @@ from orbit_pt._format import coverage as _coverage
 from orbit_pt._format.checksum import Checksum
 from orbit_pt._format.direct_io import RangeWriter
 from orbit_pt._format.safetensors import (
+    PlannedFile,
     SafetensorsReader,
     TensorEntry,
     create_file,
+    fits_in_place,
     read_range,
     tensor_bytes,
 )
@@ -70,16 +72,6 @@ class Piece:
     dtype: torch.dtype
     data: torch.Tensor | None
     row: int = 0
-
-
-@dataclass(frozen=True)
-class FileWrite:
-    """One file of a save: its header, data size, and the pieces that go into it."""
-
-    path: Path
-    header: bytes
-    data_size: int
-    pieces: tuple[tuple[TensorEntry, Piece], ...]
 
 
 def is_dtensor(tensor: Any) -> bool:
@@ -147,24 +139,28 @@ def piece_of(name: str, tensor: torch.Tensor, *, rank: int) -> Piece:
     return Piece(shape, dtype, full.to("cpu") if first_rank else None)
 
 
-def plan_digest(files: Sequence[FileWrite]) -> str:
+def plan_digest(files: Sequence[PlannedFile]) -> str:
     """A short hash of the file names and headers: equal on every rank when the plans agree."""
     digest = hashlib.sha256()
     for f in files:
-        digest.update(f.path.name.encode())
+        digest.update(f.filename.encode())
         digest.update(f.header)
     return digest.hexdigest()[:16]
 
 
 def write_files(
-    files: Sequence[FileWrite],
+    directory: Path,
+    files: Sequence[PlannedFile],
+    pieces: Mapping[str, Piece],
     *,
     rank: int,
     world_size: int,
     collective: Collective | None,
     what: str,
 ) -> None:
-    """Create ``files`` (rank 0) and write this rank's pieces into them.
+    """Create the planned ``files`` in ``directory`` (rank 0) and write this rank's pieces.
+
+    ``pieces`` holds this rank's :class:`Piece` of every tensor the files plan, by name.
 
     Under torch.distributed one agreement on ``collective`` sits between the two: it is the
     barrier that orders rank 0's file creation before every other rank's writes, and it also
@@ -183,7 +179,7 @@ def write_files(
         def create() -> None:
             if rank == 0:
                 for f in files:
-                    _create(f)
+                    _create(directory / f.filename, f)
 
         # One agreement is both the barrier (files exist before anyone writes) and the check
         # that every rank planned the same files.
@@ -202,15 +198,17 @@ def write_files(
             )
     else:
         for f in files:
-            _create(f)
+            _create(directory / f.filename, f)
     for f in files:
+        path = directory / f.filename
+        planned = [(entry, pieces[entry.name]) for entry in f.tensors]
         mine = sorted(
-            ((e, p) for e, p in f.pieces if p.data is not None and p.data.numel()),
+            ((e, p) for e, p in planned if p.data is not None and p.data.numel()),
             key=lambda ep: ep[0].start + ep[1].row * _row_bytes(ep[0]),
         )
         if not mine:
             continue
-        writer = RangeWriter(f.path)
+        writer = RangeWriter(path)
         try:
             if world_size == 1 and _covers_file(f, mine):
                 # One writer for the whole file: stream it in order and hash it on the way,
@@ -219,24 +217,24 @@ def write_files(
                 views = (tensor_bytes(_piece_bytes(e, p)) for e, p in mine)
                 size = len(f.header) + f.data_size
                 writer.write(0, itertools.chain([memoryview(f.header)], views), checksum, size=size)
-                _checksum.record(f.path, checksum.value())
-                _coverage.record(f.path, 0, size)
+                _checksum.record(path, checksum.value())
+                _coverage.record(path, 0, size)
             else:
                 for entry, piece in mine:
                     data = tensor_bytes(_piece_bytes(entry, piece))
                     offset = entry.start + piece.row * _row_bytes(entry)
                     writer.write(offset, [data])
-                    _coverage.record(f.path, offset, len(data))
+                    _coverage.record(path, offset, len(data))
         finally:
             writer.close()
 
 
-def _create(f: FileWrite) -> None:
-    create_file(f.path, f.header, f.data_size)
-    _coverage.record(f.path, 0, len(f.header))
+def _create(path: Path, f: PlannedFile) -> None:
+    create_file(path, f.header, f.data_size)
+    _coverage.record(path, 0, len(f.header))
 
 
-def _covers_file(f: FileWrite, mine: Sequence[tuple[TensorEntry, Piece]]) -> bool:
+def _covers_file(f: PlannedFile, mine: Sequence[tuple[TensorEntry, Piece]]) -> bool:
     """Whether ``mine`` are whole tensors that tile the file's data section in order."""
     position = len(f.header)
     for entry, piece in mine:
@@ -306,13 +304,7 @@ def read_local(
         return local
     first, rows, _ = block
     local_shape = (rows, *entry.shape[1:]) if entry.shape else ()
-    direct = (
-        out is not None
-        and out.device.type == "cpu"
-        and out.is_contiguous()
-        and out.dtype == entry.dtype
-        and tuple(out.shape) == local_shape
-    )
+    direct = out is not None and fits_in_place(out, entry.dtype, local_shape)
     buffer = out if direct else torch.empty(local_shape, dtype=entry.dtype)
     assert buffer is not None
     view = tensor_bytes(buffer)
@@ -336,12 +328,5 @@ def read_local(
 
 def stage_pieces(pool: StagingPool, pieces: Mapping[str, Piece]) -> dict[str, Piece]:
     """``pieces`` with their data copied into ``pool``'s reused host buffers (for async saves)."""
-    pool.begin()
-    staged = {
-        name: piece
-        if piece.data is None
-        else Piece(piece.shape, piece.dtype, pool.copy(name, piece.data), piece.row)
-        for name, piece in pieces.items()
-    }
-    pool.finish()
-    return staged
+    copies = pool.copy_all({n: p.data for n, p in pieces.items() if p.data is not None})
+    return {n: p if p.data is None else replace(p, data=copies[n]) for n, p in pieces.items()}

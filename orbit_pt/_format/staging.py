@@ -8,6 +8,8 @@ pinned, so that device-to-host copies run at full speed without a bounce buffer.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 
@@ -39,6 +41,13 @@ class StagingPool:
         # non_blocking from a device lets all copies of a save overlap; finish() waits once.
         buffer.copy_(source, non_blocking=source.device.type != "cpu")
         return buffer
+
+    def copy_all(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host copies of ``tensors`` by name, staged as one save (begin, copy each, finish)."""
+        self.begin()
+        copies = {name: self.copy(name, tensor) for name, tensor in tensors.items()}
+        self.finish()
+        return copies
 
     def finish(self) -> None:
         """Wait for the copies of this save and drop buffers it no longer needs."""

@@ -10,9 +10,9 @@ On disk (in the item's folder), exactly what ``transformers`` writes and reads:
 
 Saving goes through a *file plan* computed from tensor names, dtypes and shapes only
 (:func:`plan_files`): which file each tensor goes into, each file's header and each tensor's
-byte range. Tensor bytes are then written into those ranges (``_sharding.write_files``). Keeping the
-plan free of tensor data is what lets every rank of a sharded save agree on the files and write
-only its own rows into them.
+byte range. Tensor bytes are then written into those ranges (``_format.sharding.write_files``).
+Keeping the plan free of tensor data is what lets every rank of a sharded save agree on the files
+and write only its own rows into them.
 
 Under torch.distributed with FSDP2 (DTensor parameters sharded on dim 0) every rank writes the
 rows of its own local shard into the same files (see :mod:`orbit_pt._format.sharding` and
@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,12 +36,13 @@ import torch
 
 from orbit_pt._format.safetensors import (
     DTYPE_TO_NAME,
+    HEADER_METADATA,
+    PlannedFile,
     SafetensorsReader,
-    TensorEntry,
-    build_header,
+    plan_file,
+    torch_dtype_name,
 )
 from orbit_pt._format.sharding import (
-    FileWrite,
     Piece,
     is_dtensor,
     piece_of,
@@ -49,12 +51,8 @@ from orbit_pt._format.sharding import (
     write_files,
 )
 from orbit_pt._format.staging import StagingPool
-from orbit_pt.errors import (
-    CheckpointTypeError,
-    CheckpointValueError,
-    CorruptCheckpointError,
-    StateMismatchError,
-)
+from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
+from orbit_pt.handlers._mismatch import raise_mismatches
 from orbit_pt.handlers.base import HandlerContext
 
 logger = logging.getLogger(__name__)
@@ -64,8 +62,6 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-# transformers refuses safetensors files whose header metadata lacks format "pt".
-_HEADER_METADATA = {"format": "pt"}
 # Module names that wrappers insert into state-dict keys: torch.compile, activation
 # checkpointing and FSDP1. The checkpoint must not depend on how the model was wrapped.
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
@@ -78,35 +74,18 @@ _SIZE_UNITS = {
     "KB": 10**3,
     "B": 1,
 }
-_MAX_LISTED = 50
 
 
 # ------------------------------------------------------------------------------- the file plan
 
 
 @dataclass(frozen=True)
-class PlannedFile:
-    """One safetensors file of a plan.
-
-    Attributes:
-        filename: the file's name inside the model folder.
-        header: the file's first bytes (length prefix and JSON header).
-        tensors: where each tensor lies, as absolute offsets into the file.
-    """
-
-    filename: str
-    header: bytes
-    tensors: tuple[TensorEntry, ...]
-
-    @property
-    def data_size(self) -> int:
-        """Bytes after the header."""
-        return sum(t.nbytes for t in self.tensors)
-
-
-@dataclass(frozen=True)
 class FilePlan:
-    """Which file each tensor goes into, and where; computed from metadata alone."""
+    """Which file each tensor goes into, and where; computed from metadata alone.
+
+    The Hugging Face side of the plan (shard names, the index); each file's own layout is a
+    :class:`~orbit_pt._format.safetensors.PlannedFile`.
+    """
 
     files: tuple[PlannedFile, ...]
 
@@ -143,22 +122,23 @@ def plan_files(
     groups: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
     current = 0
     for name, dtype, shape in entries:
-        size = _numel(shape) * dtype.itemsize
+        size = math.prod(shape) * dtype.itemsize
         if max_shard_size is not None and groups[-1] and current + size > max_shard_size:
             groups.append([])
             current = 0
         groups[-1].append((name, dtype, tuple(shape)))
         current += size
     count = len(groups)
-    files = []
-    for k, group in enumerate(groups, start=1):
-        filename = SINGLE_FILE if count == 1 else f"model-{k:05d}-of-{count:05d}.safetensors"
-        header, offsets = build_header(group, _HEADER_METADATA)
-        tensors = tuple(
-            TensorEntry(name, dtype, shape, *offsets[name]) for name, dtype, shape in group
+    return FilePlan(
+        tuple(
+            plan_file(
+                SINGLE_FILE if count == 1 else f"model-{k:05d}-of-{count:05d}.safetensors",
+                group,
+                HEADER_METADATA,
+            )
+            for k, group in enumerate(groups, start=1)
         )
-        files.append(PlannedFile(filename, header, tensors))
-    return FilePlan(tuple(files))
+    )
 
 
 def parse_size(value: int | str) -> int:
@@ -287,13 +267,6 @@ def _matches(pattern: str, name: str) -> bool:
         return False
 
 
-def _numel(shape: Iterable[int]) -> int:
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    return numel
-
-
 # --------------------------------------------------------------------------------- the handler
 
 
@@ -381,15 +354,9 @@ class ModelHandler:
             max_shard_size=self.max_shard_size,
         )
         write_files(
-            [
-                FileWrite(
-                    directory / f.filename,
-                    f.header,
-                    f.data_size,
-                    tuple((e, tensors[e.name]) for e in f.tensors),
-                )
-                for f in plan.files
-            ],
+            directory,
+            plan.files,
+            tensors,
             rank=context.rank,
             world_size=context.world_size,
             collective=context.collective,
@@ -410,7 +377,9 @@ class ModelHandler:
             "total_size": plan.total_size,
             "files": [f.filename for f in plan.files],
             "tied": staged.tied,
-            "export_dtype": None if self.export_dtype is None else _dtype_str(self.export_dtype),
+            "export_dtype": (
+                None if self.export_dtype is None else torch_dtype_name(self.export_dtype)
+            ),
         }
 
     def _collect(self, module: torch.nn.Module, context: HandlerContext) -> _StagedModel:
@@ -448,7 +417,7 @@ class ModelHandler:
                 if not document.get("architectures"):
                     document["architectures"] = [type(inner).__name__]
                 dtype_key = "torch_dtype" if "torch_dtype" in document else "dtype"
-                document[dtype_key] = _dtype_str(self.export_dtype or _float_dtype(inner))
+                document[dtype_key] = torch_dtype_name(self.export_dtype or _float_dtype(inner))
                 documents[CONFIG_FILE] = document
         generation = getattr(inner, "generation_config", None)
         if callable(getattr(generation, "to_dict", None)):
@@ -479,7 +448,7 @@ class ModelHandler:
                     # Only the rows this rank holds, straight into its local shard.
                     read_local(readers[name], name, tensor, out=tensor.to_local())  # type: ignore[attr-defined]
                 else:
-                    _read_tensor(readers[name], name, tensor)
+                    readers[name].read_into(name, tensor)
         return module
 
     def _plan_restore(
@@ -509,32 +478,28 @@ class ModelHandler:
                 entry.dtype != tensor.dtype and not same_kind
             ):
                 mismatched.append(
-                    f"{name}: checkpoint {_dtype_str(entry.dtype)} {list(entry.shape)}, "
-                    f"model {_dtype_str(tensor.dtype)} {list(tensor.shape)}"
+                    f"{name}: checkpoint {torch_dtype_name(entry.dtype)} {list(entry.shape)}, "
+                    f"model {torch_dtype_name(tensor.dtype)} {list(tensor.shape)}"
                 )
                 continue
             if entry.dtype != tensor.dtype:
-                casts.append(f"{name}: {_dtype_str(entry.dtype)} -> {_dtype_str(tensor.dtype)}")
+                casts.append(
+                    f"{name}: {torch_dtype_name(entry.dtype)} -> {torch_dtype_name(tensor.dtype)}"
+                )
             loads.append((name, tensor))
         unexpected = [name for name in readers if name not in covered]
         problems = [f"mismatched {line}" for line in mismatched]
         if self.strict:
             problems += [f"missing from the checkpoint: {name}" for name in missing]
             problems += [f"unexpected (not in the model): {name}" for name in unexpected]
-        if problems:
-            shown = "\n  ".join(problems[:_MAX_LISTED])
-            more = (
-                f"\n  ... and {len(problems) - _MAX_LISTED} more"
-                if len(problems) > _MAX_LISTED
-                else ""
-            )
-            raise StateMismatchError(
-                f"the model saved in {directory} does not fit the module being restored "
-                f"({len(mismatched)} mismatched, {len(missing)} missing, {len(unexpected)} "
-                f"unexpected key(s)); nothing was loaded:\n  {shown}{more}\n"
-                "Build the module with the config it was saved with, or restore with "
-                "ModelHandler(strict=False) to skip missing and unexpected keys."
-            )
+        raise_mismatches(
+            problems,
+            f"the model saved in {directory} does not fit the module being restored "
+            f"({len(mismatched)} mismatched, {len(missing)} missing, {len(unexpected)} "
+            "unexpected key(s)); nothing was loaded",
+            fix="Build the module with the config it was saved with, or restore with "
+            "ModelHandler(strict=False) to skip missing and unexpected keys.",
+        )
         return loads, casts
 
 
@@ -611,14 +576,6 @@ def _bad_index(path: Path, reason: str) -> CorruptCheckpointError:
     )
 
 
-def _read_tensor(reader: SafetensorsReader, name: str, target: torch.Tensor) -> None:
-    entry = reader.entries[name]
-    if target.device.type == "cpu" and target.is_contiguous() and target.dtype == entry.dtype:
-        reader.read(name, out=target)  # straight from the file into the parameter's memory
-    else:
-        target.copy_(reader.read(name))
-
-
 # ------------------------------------------------------------------------------------- helpers
 
 
@@ -673,7 +630,3 @@ def _float_dtype(module: torch.nn.Module) -> torch.dtype:
         if param.is_floating_point():
             return param.dtype
     return torch.float32
-
-
-def _dtype_str(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -12,7 +12,8 @@ On disk (in the item's folder):
   (``model.layers.0.mlp.weight/exp_avg``); tensors inside param groups (a tensor ``lr``) are
   named ``param_groups/<i>/<key>``;
 - ``optimizer.msgpack``: ``{"format_version", "state", "param_groups", "param_shapes"}`` in the
-  state handler's encoding, with parameter names in each group's ``params``.
+  msgpack encoding the state handler uses (``handlers._codec``), with parameter names in each
+  group's ``params``.
 
 Under FSDP2 the state tensors that follow their parameter's sharding (``exp_avg``,
 ``exp_avg_sq``, ``momentum_buffer``: DTensors) are written by every rank as its own rows of
@@ -33,12 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import torch
 
-from orbit_pt._format.safetensors import SafetensorsReader, TensorEntry, build_header
+from orbit_pt._format.safetensors import SafetensorsReader, fits_in_place, plan_file
 from orbit_pt._format.sharding import (
-    FileWrite,
     Piece,
     is_dtensor,
     piece_of,
@@ -47,21 +46,22 @@ from orbit_pt._format.sharding import (
     write_files,
 )
 from orbit_pt._format.staging import StagingPool
-from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, StateMismatchError
+from orbit_pt.errors import CheckpointTypeError, CheckpointValueError
+from orbit_pt.handlers._codec import (
+    TensorRef,
+    check_refs,
+    encode,
+    materialize,
+    pack,
+    read_structure,
+)
+from orbit_pt.handlers._mismatch import load_state_dict, raise_mismatches
 from orbit_pt.handlers.base import HandlerContext
 from orbit_pt.handlers.model import parameter_names
-from orbit_pt.handlers.state import (
-    _check_refs,
-    _encode,
-    _materialize,
-    _read_structure,
-    _TensorRef,
-)
 
 STRUCTURE_FILE = "optimizer.msgpack"
 TENSORS_FILE = "optimizer.safetensors"
 _FORMAT_VERSION = 1
-_MAX_LISTED = 50
 
 
 @dataclass(frozen=True)
@@ -110,17 +110,11 @@ class OptimizerHandler:
         else:
             staged = self._encode_state(_check_optimizer(item, "save"), context)
         pieces = staged.tensors
-        header, offsets = build_header((n, p.dtype, p.shape) for n, p in pieces.items())
-        entries = [TensorEntry(n, p.dtype, p.shape, *offsets[n]) for n, p in pieces.items()]
+        planned = plan_file(TENSORS_FILE, [(n, p.dtype, p.shape) for n, p in pieces.items()])
         write_files(
-            [
-                FileWrite(
-                    directory / TENSORS_FILE,
-                    header,
-                    sum(e.nbytes for e in entries),
-                    tuple((e, pieces[e.name]) for e in entries),
-                )
-            ],
+            directory,
+            [planned],
+            pieces,
             rank=context.rank,
             world_size=context.world_size,
             collective=context.collective,
@@ -146,8 +140,8 @@ class OptimizerHandler:
         tensors: dict[str, torch.Tensor] = {}
         structure = {
             "format_version": _FORMAT_VERSION,
-            "state": _encode(state, "", tensors),
-            "param_groups": _encode(groups, "param_groups", tensors),
+            "state": encode(state, "", tensors),
+            "param_groups": encode(groups, "param_groups", tensors),
             "param_shapes": shapes,
         }
         info = {
@@ -156,23 +150,28 @@ class OptimizerHandler:
             "parameters": len(names),
             "tensors": len(tensors),
         }
-        # Collective for state that must be gathered (see _sharding.piece_of): same order on
+        # Collective for state that must be gathered (see _format.sharding.piece_of): same order on
         # every rank, since every rank encodes the same state dict.
         pieces = {name: piece_of(name, t, rank=context.rank) for name, t in tensors.items()}
-        return _StagedOptimizer(msgpack.packb(structure, use_bin_type=True), pieces, info)
+        return _StagedOptimizer(pack(structure), pieces, info)
 
     def restore(self, directory: Path, target: Any | None, context: HandlerContext) -> Any:
-        structure = _read_structure(directory / STRUCTURE_FILE)
+        structure = read_structure(directory / STRUCTURE_FILE)
         reader = SafetensorsReader(directory / TENSORS_FILE)
-        _check_refs(structure, reader)
+        check_refs(structure, reader, STRUCTURE_FILE)
         if target is None:
             return {
-                "state": _materialize(structure["state"], reader),
-                "param_groups": _materialize(structure["param_groups"], reader),
+                "state": materialize(structure["state"], reader),
+                "param_groups": materialize(structure["param_groups"], reader),
             }
         optimizer = _check_optimizer(target, "restore")
         names = self._names(optimizer, context, "restore")
-        _raise_mismatches(directory, _mismatches(structure, optimizer, names))
+        problems = _mismatches(structure, optimizer, names)
+        raise_mismatches(
+            problems,
+            f"the optimizer state saved in {directory} does not fit the optimizer being "
+            f"restored ({len(problems)} problem(s)); nothing was loaded",
+        )
         position = {name: index for index, name in enumerate(names)}
         start = 0
         groups = []
@@ -183,7 +182,7 @@ class OptimizerHandler:
             count = len(group["params"])
             hyper = {k: v for k, v in saved_group.items() if k != "params"}
             groups.append(
-                {**_materialize(hyper, reader), "params": list(range(start, start + count))}
+                {**materialize(hyper, reader), "params": list(range(start, start + count))}
             )
             start += count
         params = dict(zip(names, _params(optimizer), strict=True))
@@ -193,13 +192,7 @@ class OptimizerHandler:
             )
             for name, value in structure["state"].items()
         }
-        try:
-            optimizer.load_state_dict({"state": state, "param_groups": groups})
-        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
-            raise StateMismatchError(
-                f"{type(optimizer).__name__}.load_state_dict rejected the state saved in "
-                f"{directory}: {exc}"
-            ) from exc
+        load_state_dict(optimizer, {"state": state, "param_groups": groups}, directory)
         return optimizer
 
     def _names(
@@ -271,11 +264,11 @@ def _materialize_like(
     shaped like a DTensor ``param`` are read as this rank's rows only and laid out like it.
     """
     if not isinstance(value, Mapping):
-        return _materialize(value, reader)
+        return materialize(value, reader)
     out: dict[Any, Any] = {}
     for key, sub in value.items():
-        if not isinstance(sub, _TensorRef) or sub.as_numpy:
-            out[key] = _materialize(sub, reader)
+        if not isinstance(sub, TensorRef) or sub.as_numpy:
+            out[key] = materialize(sub, reader)
             continue
         entry = reader.entries[sub.name]
         current = existing.get(key)
@@ -285,10 +278,7 @@ def _materialize_like(
         elif (
             isinstance(current, torch.Tensor)
             and not is_dtensor(current)
-            and current.device.type == "cpu"
-            and current.is_contiguous()
-            and tuple(current.shape) == entry.shape
-            and current.dtype == entry.dtype
+            and fits_in_place(current, entry.dtype, entry.shape)
         ):
             with torch.no_grad():
                 out[key] = reader.read(sub.name, out=current)
@@ -301,15 +291,14 @@ def _read_sharded(reader: SafetensorsReader, name: str, param: Any, current: Any
     """This rank's rows of ``name`` as a DTensor laid out like ``param``."""
     from torch.distributed.tensor import DTensor
 
+    local = current.to_local() if is_dtensor(current) else None
     if (
-        is_dtensor(current)
+        local is not None
         and current.placements == param.placements
-        and current.shape == param.shape
-        and current.dtype == reader.entries[name].dtype
-        and current.to_local().device.type == "cpu"
-        and current.to_local().is_contiguous()
+        and current.shape == param.shape  # the same layout, so the same local shape
+        and fits_in_place(local, reader.entries[name].dtype, local.shape)
     ):
-        read_local(reader, name, param, out=current.to_local())
+        read_local(reader, name, param, out=local)
         return current
     local = read_local(reader, name, param, out=None)
     return DTensor.from_local(
@@ -368,13 +357,3 @@ def _mismatches(
                 f"{list(param.shape)}"
             )
     return problems
-
-
-def _raise_mismatches(directory: Path, problems: list[str]) -> None:
-    if problems:
-        shown = "\n  ".join(problems[:_MAX_LISTED])
-        more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > 50 else ""
-        raise StateMismatchError(
-            f"the optimizer state saved in {directory} does not fit the optimizer being "
-            f"restored ({len(problems)} problem(s)); nothing was loaded:\n  {shown}{more}"
-        )
