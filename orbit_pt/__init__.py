@@ -39,6 +39,7 @@ from orbit_pt.policies import (
     SavePolicy,
 )
 from orbit_pt.recipe import RecipeState, RNGState
+from orbit_pt.retention import RetentionDecision
 
 __all__ = [
     "AnyOf",
@@ -67,6 +68,7 @@ __all__ = [
     "RNGState",
     "ReadOnlyError",
     "RecipeState",
+    "RetentionDecision",
     "RetentionPolicy",
     "SavePolicy",
     "StateMismatchError",

@@ -22,13 +22,13 @@ import sys
 import traceback
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from orbit_pt import _version
-from orbit_pt._format.safetensors import SafetensorsReader
+from orbit_pt._format.safetensors import SafetensorsReader, torch_dtype_name
 from orbit_pt._storage import layout as _layout
+from orbit_pt._storage import root as _root
 from orbit_pt.errors import (
     CheckpointError,
     CheckpointLockedError,
@@ -37,17 +37,8 @@ from orbit_pt.errors import (
     StepAlreadyExistsError,
     StepNotFoundError,
 )
-from orbit_pt.metadata import StepMetadata
 from orbit_pt.options import CheckpointManagerOptions
-from orbit_pt.policies import (
-    CheckpointInfo,
-    KeepBestN,
-    KeepEveryKSteps,
-    KeepLastN,
-    KeepTimeInterval,
-    RetentionPolicy,
-    flatten_retention,
-)
+from orbit_pt.retention import RecordedRetention, RetentionDecision, read_record, rule_labels
 
 __all__ = ["EXIT_CODES", "main"]
 
@@ -85,28 +76,18 @@ class _NotFoundError(Exception):
 
 # ---------------------------------------------------------------------------------- the root
 
-
-@dataclass
-class _Entry:
-    """One folder of a root: a committed step, or something that is not (yet, or any more)."""
-
-    name: str
-    kind: str  # committed | partial | deleting | invalid | superseded
-    path: Path
-    step: int | None
-    meta: StepMetadata | None = None
-    note: str = ""
-    kept_by: list[str] = field(default_factory=list)
-
-    def size(self) -> int:
-        if self.meta is not None and self.kind == "committed":
-            return sum(f.size for f in self.meta.files.values()) + _file_size(
-                self.path / _layout.METADATA_FILE
-            )
-        return _tree_size(self.path)
+# How `ls` names each kind of entry of the root (docs/cli.md); a step-named entry that is not a
+# committed step is "invalid". Foreign entries without a step name are not listed.
+_STATUS = {
+    "committed": "committed",
+    "temporary": "partial",
+    "deleting": "deleting",
+    "superseded": "superseded",
+    "foreign": "invalid",
+}
 
 
-def _root(value: str) -> Path:
+def _root_dir(value: str) -> Path:
     root = Path(value)
     if not root.is_dir():
         what = "is not a folder" if root.exists() else "does not exist"
@@ -114,83 +95,30 @@ def _root(value: str) -> Path:
     return root
 
 
-def _read_step(path: Path, step: int) -> tuple[StepMetadata | None, str]:
-    """The metadata of a step folder when it is committed, else None and why not.
-
-    A folder is committed when it holds a readable ``_CHECKPOINT_METADATA`` naming its step
-    (docs/format.md, "Committed").
-    """
-    meta_path = path / _layout.METADATA_FILE
-    if not meta_path.is_file():
-        return None, f"no {_layout.METADATA_FILE}: never committed (a crash, or a partial copy)"
-    try:
-        meta = StepMetadata.read(meta_path)
-    except CorruptCheckpointError as exc:
-        return None, f"unreadable metadata: {exc}"
-    if meta.step != step:
-        return None, f"its metadata records step {meta.step}: renamed by hand"
-    return meta, ""
+def _listed(root: Path) -> list[_root.RootEntry]:
+    """The entries of ``root`` that ls shows: everything named for a step."""
+    return [e for e in _root.scan_root(root) if e.step is not None]
 
 
-def _scan(root: Path) -> list[_Entry]:
-    """Every folder of ``root`` that orbit_pt knows, sorted by step (superseded last)."""
-    entries: list[_Entry] = []
-    for item in sorted(os.scandir(root), key=lambda e: e.name):
-        if not item.is_dir(follow_symlinks=False):
-            continue
-        path = Path(item.path)
-        step = _layout.parse_step_name(item.name)
-        if step is not None:
-            meta, why = _read_step(path, step)
-            kind = "committed" if meta is not None else "invalid"
-            entries.append(_Entry(item.name, kind, path, step, meta, why))
-            continue
-        for suffix, kind, note in (
-            (_layout.TMP_SUFFIX, "partial", "being written, or left by a crash; not a step"),
-            (_layout.DELETING_SUFFIX, "deleting", "being deleted, or left by a crash; not a step"),
-        ):
-            stem = item.name.removesuffix(suffix)
-            if item.name.endswith(suffix) and _layout.parse_step_name(stem) is not None:
-                entries.append(
-                    _Entry(item.name, kind, path, _layout.parse_step_name(stem), None, note)
-                )
-        if item.name == _layout.SUPERSEDED_DIR:
-            entries.extend(_scan_superseded(path))
-    order = {"superseded": 1}
-    return sorted(entries, key=lambda e: (order.get(e.kind, 0), e.step or 0, e.name))
+def _latest(root: Path) -> _root.RootEntry:
+    committed = [e for e in _root.scan_root(root, superseded=False) if e.committed]
+    if not committed:
+        raise StepNotFoundError(None, root, [])
+    return committed[-1]
 
 
-def _scan_superseded(folder: Path) -> Iterator[_Entry]:
-    for item in sorted(os.scandir(folder), key=lambda e: e.name):
-        if not item.is_dir(follow_symlinks=False):
-            continue
-        step = _layout.parse_step_name(item.name.split(".", 1)[0])
-        meta, _ = _read_step(Path(item.path), step) if step is not None else (None, "")
-        note = "replaced by a later save of the same or an earlier step (a rollback)"
-        name = f"{_layout.SUPERSEDED_DIR}/{item.name}"
-        yield _Entry(name, "superseded", Path(item.path), step, meta, note)
-
-
-def _committed(entries: Sequence[_Entry]) -> list[_Entry]:
-    return [e for e in entries if e.kind == "committed"]
-
-
-def _resolve(root: Path, entries: Sequence[_Entry], step: int | None) -> _Entry:
+def _resolve(root: Path, step: int | None) -> _root.RootEntry:
     """The committed entry of ``step`` (None: the latest); a damaged step is exit 1."""
-    committed = _committed(entries)
-    if step is None:
-        if not committed:
-            raise StepNotFoundError(None, root, [])
-        return committed[-1]
-    for entry in entries:
-        if entry.step == step and entry.kind in ("committed", "invalid"):
-            if entry.kind == "invalid":
-                raise CorruptCheckpointError(
-                    f"{entry.path} is not a committed step ({entry.note}); run `orbit-pt verify "
-                    f"{root} {step}` for details"
-                )
-            return entry
-    raise StepNotFoundError(step, root, [e.step for e in committed if e.step is not None])
+    return _latest(root) if step is None else _root.committed_entry(root, step)
+
+
+def _size(entry: _root.RootEntry) -> int:
+    if entry.committed and entry.meta is not None:
+        listed = sum(f.size for f in entry.meta.files.values())
+        return listed + _file_size(entry.path / _layout.METADATA_FILE)
+    if entry.path.is_symlink():
+        return 0  # never read through a link
+    return _tree_size(entry.path) if entry.path.is_dir() else _file_size(entry.path)
 
 
 # -------------------------------------------------------------------------------- retention
@@ -221,72 +149,51 @@ def _options(args: argparse.Namespace, *, read_only: bool) -> CheckpointManagerO
     )
 
 
-def _rule_label(policy: RetentionPolicy) -> str:
-    if isinstance(policy, KeepLastN):
-        return f"keep-last-n={policy.n}"
-    if isinstance(policy, KeepEveryKSteps):
-        return f"keep-every-k-steps={policy.k}"
-    if isinstance(policy, KeepBestN):
-        return f"keep-best-n={policy.n}({policy.metric},{policy.mode})"
-    if isinstance(policy, KeepTimeInterval):
-        return f"keep-time-interval={policy.seconds:g}s"
-    return repr(policy)
+def _retention(
+    root: Path, options: CheckpointManagerOptions | None, *, dry_run: bool
+) -> list[RetentionDecision]:
+    """What the manager's retention does with ``options`` (deletes unless ``dry_run``)."""
+    from orbit_pt.manager import CheckpointManager
 
-
-def _attribute(
-    infos: Sequence[CheckpointInfo], policy: RetentionPolicy | None
-) -> dict[int, list[str]]:
-    """Step -> the rules that keep it: each leaf of the library's policy, plus ``latest``.
-
-    The union of these is exactly what the manager keeps after a save (docs/retention.md).
-    """
-    reasons: dict[int, list[str]] = {info.step: [] for info in infos}
-    if policy is not None:
-        for leaf in flatten_retention(policy):
-            label = _rule_label(leaf)
-            for step in sorted(leaf.keep(infos)):
-                if step in reasons:
-                    reason = label
-                    if isinstance(leaf, KeepBestN) and not any(
-                        leaf.metric in i.metrics for i in infos if i.step == step
-                    ):
-                        reason = f"{label}:unranked"
-                    reasons[step].append(reason)
-    if infos:
-        reasons[infos[-1].step].append("latest")
-    return reasons
-
-
-def _infos(entries: Sequence[_Entry]) -> list[CheckpointInfo]:
-    out = []
-    for entry in _committed(entries):
-        assert entry.meta is not None
-        assert entry.step is not None
-        out.append(
-            CheckpointInfo(step=entry.step, time=entry.meta.time, metrics=entry.meta.metrics)
-        )
-    return out
+    if options is None:
+        options = CheckpointManagerOptions(read_only=True, preemption_signals=())
+    # A writing manager takes the root's lock (exit 4 while a training job writes it) and
+    # removes folders a crash left behind, exactly as a training job does when it starts.
+    with CheckpointManager(root, options=options) as mgr:
+        return mgr.apply_retention(dry_run=dry_run)
 
 
 # --------------------------------------------------------------------------------- commands
 
 
 def _cmd_ls(args: argparse.Namespace) -> tuple[int, Any, str]:
-    root = _root(args.root)
-    options = _options(args, read_only=True)
-    policy = options.retention_policy() if options is not None else None
-    entries = _scan(root)
-    reasons = _attribute(_infos(entries), policy)
-    for entry in entries:
-        if entry.kind == "committed" and entry.step is not None:
-            entry.kept_by = reasons.get(entry.step, [])
-    rows = [_entry_json(e, pruned=policy is not None) for e in entries]
+    root = _root_dir(args.root)
+    options, source, recorded, notes = _ls_retention(root, args)
+    entries = _listed(root)
+    decisions = {d.step: d for d in _retention(root, options, dry_run=True)}
+    # A verdict only when every rule is known: custom rules recorded by their repr may keep
+    # steps that the known ones do not.
+    judged = options is not None and options.retention_policy() is not None
+    judged = judged and not (recorded is not None and recorded.custom)
+    rows = [
+        _entry_json(
+            e, decisions.get(e.step) if e.committed and e.step is not None else None, judged=judged
+        )
+        for e in entries
+    ]
+    committed = [e.step for e in entries if e.committed and e.step is not None]
+    if recorded is not None:
+        rules = list(recorded.rules)
+    else:
+        rules = rule_labels(options.retention_policy()) if options is not None else []
     doc = {
         "root": str(root),
-        "latest": max((e.step for e in _committed(entries) if e.step is not None), default=None),
-        "rules": [_rule_label(p) for p in flatten_retention(policy)] if policy else [],
+        "latest": max(committed, default=None),
+        "rules": rules,
+        "retention": source,
         "entries": rows,
     }
+    deletes = "prune deletes" if source == "flags" else "the next save deletes"
     header = ["STEP", "STATUS", "COMMITTED (UTC)", "SIZE", "ITEMS", "METRICS", "KEPT BY"]
     table = [
         [
@@ -296,46 +203,80 @@ def _cmd_ls(args: argparse.Namespace) -> tuple[int, Any, str]:
             _human(row["size_bytes"]),
             ",".join(row["items"]) or "-",
             ",".join(f"{k}={v:.6g}" for k, v in row["metrics"].items()) or "-",
-            _kept_text(row),
+            _kept_text(row, deletes),
         ]
         for row in rows
     ]
     lines = _table(header, table) if rows else [f"{root}: no checkpoints"]
-    notes = [f"{row['name']}: {row['note']}" for row in rows if row["note"]]
+    notes += [f"{row['name']}: {row['note']}" for row in rows if row["note"]]
     if notes:
         lines += ["", *notes]
     return EXIT_OK, doc, "\n".join(lines)
 
 
-def _kept_text(row: dict[str, Any]) -> str:
+def _ls_retention(
+    root: Path, args: argparse.Namespace
+) -> tuple[CheckpointManagerOptions | None, str, RecordedRetention | None, list[str]]:
+    """The retention ls shows: the flags', else the one the root's writer recorded.
+
+    Returns the options (None: no rule), where they came from (``flags``, ``recorded`` or
+    ``none``), the record when used, and lines to print under the table.
+    """
+    flags = _options(args, read_only=True)
+    if flags is not None:
+        return flags, "flags", None, []
+    try:
+        recorded = read_record(root)
+    except CorruptCheckpointError as exc:
+        return None, "none", None, [f"KEPT BY: {exc}"]
+    if recorded is None:
+        return None, "none", None, []
+    options = recorded.rebuild(read_only=True, preemption_signals=())
+    notes = [
+        f"KEPT BY: the retention the root's writer last used ({', '.join(recorded.rules) or 'none'}"
+        f", from {_layout.RETENTION_FILE}); give rule flags to see others"
+    ]
+    if recorded.custom:
+        notes.append(
+            f"KEPT BY: the writer also used custom rule(s) {', '.join(recorded.custom)}, which "
+            "orbit-pt cannot evaluate: steps they keep show only the other rules, and no step "
+            "is marked for deletion"
+        )
+    return options, "recorded", recorded, notes
+
+
+def _kept_text(row: dict[str, Any], deletes: str) -> str:
     if row["status"] != "committed":
         return "-"
     if row["kept_by"]:
         return ",".join(row["kept_by"])
-    return "- (prune deletes)" if row["pruned"] else "-"
+    return f"- ({deletes})" if row["pruned"] else "-"
 
 
-def _entry_json(entry: _Entry, *, pruned: bool) -> dict[str, Any]:
+def _entry_json(
+    entry: _root.RootEntry, decision: RetentionDecision | None, *, judged: bool
+) -> dict[str, Any]:
     meta = entry.meta
+    kept_by = list(decision.kept_by) if decision is not None else []
     return {
         "name": entry.name,
         "step": entry.step,
-        "status": entry.kind,
+        "status": _STATUS[entry.kind],
         "time": meta.time if meta else None,
         "time_utc": _utc(meta.time) if meta else None,
-        "size_bytes": entry.size(),
+        "size_bytes": _size(entry),
         "items": sorted(meta.items) if meta else [],
         "metrics": dict(meta.metrics) if meta else {},
-        "kept_by": entry.kept_by,
-        # With retention rules given: a committed step no rule keeps is what prune deletes.
-        "pruned": pruned and entry.kind == "committed" and not entry.kept_by,
-        "note": entry.note,
+        "kept_by": kept_by,
+        # With every rule known: a committed step retention does not keep is what it deletes.
+        "pruned": judged and decision is not None and not decision.kept,
+        "note": entry.reason,
     }
 
 
 def _cmd_info(args: argparse.Namespace) -> tuple[int, Any, str]:
-    root = _root(args.root)
-    entry = _resolve(root, _scan(root), args.step)
+    root = _root_dir(args.root)
+    entry = _resolve(root, args.step)
     meta = entry.meta
     assert meta is not None
     assert entry.step is not None
@@ -350,7 +291,7 @@ def _cmd_info(args: argparse.Namespace) -> tuple[int, Any, str]:
                     {
                         "name": e.name,
                         "file": rel,
-                        "dtype": str(e.dtype).removeprefix("torch."),
+                        "dtype": torch_dtype_name(e.dtype),
                         "shape": list(e.shape),
                         "bytes": e.nbytes,
                     }
@@ -379,7 +320,7 @@ def _cmd_info(args: argparse.Namespace) -> tuple[int, Any, str]:
         "world_size": meta.world_size,
         "orbit_pt_version": meta.orbit_pt_version,
         "metrics": dict(meta.metrics),
-        "size_bytes": entry.size(),
+        "size_bytes": _size(entry),
         "items": items,
         "files": {p: {"size": f.size, "checksum": f.checksum} for p, f in meta.files.items()},
     }
@@ -425,16 +366,17 @@ def _info_text(doc: dict[str, Any], *, show_tensors: bool) -> str:
 def _cmd_verify(args: argparse.Namespace) -> tuple[int, Any, str]:
     from orbit_pt.verify import verify_step
 
-    root = _root(args.root)
-    entries = _scan(root)
+    root = _root_dir(args.root)
     if args.all:
-        steps = sorted(
-            {e.step for e in entries if e.kind in ("committed", "invalid") and e.step is not None}
-        )
+        # Every step-named entry of the root: committed steps, and what is in their way.
+        entries = _root.scan_root(root, superseded=False)
+        steps = [
+            e.step for e in entries if e.step is not None and e.kind in ("committed", "foreign")
+        ]
     elif args.step is not None:
         steps = [args.step]
     else:
-        latest = _resolve(root, entries, None).step
+        latest = _latest(root).step
         assert latest is not None
         steps = [latest]
     reports = [verify_step(root, s, require_checksums=args.require_checksums) for s in steps]
@@ -445,9 +387,7 @@ def _cmd_verify(args: argparse.Namespace) -> tuple[int, Any, str]:
 
 
 def _cmd_prune(args: argparse.Namespace) -> tuple[int, Any, str]:
-    from orbit_pt.manager import CheckpointManager
-
-    root = _root(args.root)
+    root = _root_dir(args.root)
     options = _options(args, read_only=args.dry_run)
     if options is None:
         raise _UsageError(
@@ -455,24 +395,13 @@ def _cmd_prune(args: argparse.Namespace) -> tuple[int, Any, str]:
             "--keep-best-n with --best-metric, --keep-time-interval); with none, every step "
             "would be kept, so nothing would happen"
         )
-    policy = options.retention_policy()
-    # A writing manager takes the root's lock (exit 4 while a training job writes it) and
-    # removes folders a crash left behind, exactly as a training job does when it starts.
-    with CheckpointManager(root, options=options) as mgr:
-        infos = [
-            CheckpointInfo(step=s, time=(m := mgr.metadata(s)).time, metrics=m.metrics)
-            for s in mgr.all_steps()
-        ]
-        reasons = _attribute(infos, policy)
-        doomed = [step for step, why in reasons.items() if not why]
-        if not args.dry_run:
-            for step in doomed:
-                mgr.delete(step)
-    kept = {step: why for step, why in reasons.items() if why}
+    decisions = _retention(root, options, dry_run=args.dry_run)
+    doomed = [d.step for d in decisions if not d.kept]
+    kept = {d.step: list(d.kept_by) for d in decisions if d.kept}
     doc = {
         "root": str(root),
         "dry_run": args.dry_run,
-        "rules": [_rule_label(p) for p in flatten_retention(policy)] if policy else [],
+        "rules": rule_labels(options.retention_policy()),
         "deleted": [] if args.dry_run else doomed,
         "would_delete": doomed if args.dry_run else [],
         "kept": {str(step): why for step, why in kept.items()},
@@ -486,7 +415,7 @@ def _cmd_prune(args: argparse.Namespace) -> tuple[int, Any, str]:
 def _cmd_export(args: argparse.Namespace) -> tuple[int, Any, str]:
     from orbit_pt.export import EXPORT_DTYPES, export_model
 
-    root = _root(args.root)
+    root = _root_dir(args.root)
     result = export_model(
         root,
         args.step,

@@ -24,19 +24,24 @@ from pathlib import Path
 
 import torch
 
-from orbit_pt._format.safetensors import SafetensorsReader, write_safetensors
+from orbit_pt._format.safetensors import (
+    HEADER_METADATA,
+    SafetensorsReader,
+    torch_dtype_name,
+    write_safetensors,
+)
 from orbit_pt._storage import fs as _fs
 from orbit_pt._storage import layout as _layout
+from orbit_pt._storage import root as _root
 from orbit_pt.errors import (
     CheckpointValueError,
     CorruptCheckpointError,
     ItemNotFoundError,
     StepAlreadyExistsError,
-    StepNotFoundError,
 )
 from orbit_pt.handlers.model import CONFIG_FILE, INDEX_FILE, open_model_folder
 from orbit_pt.metadata import StepMetadata
-from orbit_pt.verify import steps_under, verify_step
+from orbit_pt.verify import verify_step
 
 __all__ = ["EXPORT_DTYPES", "ExportResult", "export_model"]
 
@@ -46,9 +51,6 @@ EXPORT_DTYPES: Mapping[str, torch.dtype] = {
     "fp32": torch.float32,
 }
 """The ``dtype`` names ``orbit-pt export --dtype`` accepts."""
-
-# transformers refuses safetensors files whose header metadata lacks format "pt".
-_HEADER_METADATA = {"format": "pt"}
 
 
 @dataclass(frozen=True)
@@ -99,9 +101,10 @@ def export_model(
         What was written.
 
     Raises:
-        StepNotFoundError: ``step`` is not a committed step under ``root``.
+        StepNotFoundError: nothing under ``root`` has the name of ``step``.
+        CorruptCheckpointError: ``step`` is not a committed step (a folder without valid
+            metadata, a link, ...), or ``verify`` found the item damaged; nothing was written.
         ItemNotFoundError: the step has no model item (or not ``item``).
-        CorruptCheckpointError: ``verify`` found the item damaged; nothing was written.
         StepAlreadyExistsError: ``out`` exists and is not an empty folder.
         CheckpointValueError: ``dtype`` is not a floating dtype.
     """
@@ -110,8 +113,9 @@ def export_model(
         raise CheckpointValueError(
             f"dtype must be a floating torch dtype such as torch.bfloat16, got {dtype!r}"
         )
-    meta = _committed(root, step)
-    name = _model_item(meta, step, item)
+    entry = _root.committed_entry(root, step)
+    assert entry.meta is not None
+    name = _model_item(entry.meta, step, item)
     if verify:
         report = verify_step(root, step)
         relevant = [
@@ -126,19 +130,12 @@ def export_model(
                 "exported -- export another step"
             )
     _check_out(out)
-    source = root / _layout.step_name(step) / name
+    source = entry.path / name
     readers = open_model_folder(source)
     tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.orbit-export-tmp"
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir()
-    try:
+    with _fs.staged_folder(tmp, out):
         written, tensor_bytes = _write(source, tmp, readers, dtype)
-        _fs.fsync_tree(tmp)
-        os.replace(tmp, out)
-        _fs.fsync_path(out.parent)
-    except BaseException:
-        _fs.remove_tree(tmp)
-        raise
     return ExportResult(
         step=step,
         item=name,
@@ -146,21 +143,8 @@ def export_model(
         files=tuple(written),
         tensors=len(readers),
         tensor_bytes=tensor_bytes,
-        dtype=None if dtype is None else _dtype_str(dtype),
+        dtype=None if dtype is None else torch_dtype_name(dtype),
     )
-
-
-def _committed(root: Path, step: int) -> StepMetadata:
-    path = root / _layout.step_name(step)
-    if not (path / _layout.METADATA_FILE).is_file():
-        raise StepNotFoundError(step, root, steps_under(root))
-    meta = StepMetadata.read(path / _layout.METADATA_FILE)
-    if meta.step != step:
-        raise CorruptCheckpointError(
-            f"{path} records step {meta.step} in its metadata; it was renamed by hand and is not "
-            "a committed step"
-        )
-    return meta
 
 
 def _model_item(meta: StepMetadata, step: int, item: str | None) -> str:
@@ -220,7 +204,7 @@ def _write(
                 name: t.to(dtype) if t.is_floating_point() else t
                 for name, t in reader.read_all().items()
             }
-            write_safetensors(tmp / path.name, tensors, {**reader.metadata, **_HEADER_METADATA})
+            write_safetensors(tmp / path.name, tensors, {**reader.metadata, **HEADER_METADATA})
             sizes[path.name] = sum(t.numel() * t.element_size() for t in tensors.values())
         tensor_bytes += sizes[path.name]
         written.append(path.name)
@@ -236,13 +220,9 @@ def _write(
         if rel.as_posix() == CONFIG_FILE and dtype is not None:
             config = json.loads((source / rel).read_bytes())
             key = "torch_dtype" if "torch_dtype" in config else "dtype"
-            config[key] = _dtype_str(dtype)
+            config[key] = torch_dtype_name(dtype)
             (tmp / rel).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         else:
             shutil.copyfile(source / rel, tmp / rel)
         written.append(rel.as_posix())
     return sorted(written), tensor_bytes
-
-
-def _dtype_str(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

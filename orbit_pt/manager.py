@@ -35,6 +35,7 @@ from orbit_pt.handlers.base import StagingHandler
 from orbit_pt.metadata import FileMetadata, ItemMetadata, StepMetadata, validate_metrics
 from orbit_pt.options import CheckpointManagerOptions
 from orbit_pt.policies import CheckpointInfo
+from orbit_pt.retention import RetentionDecision, decide, record
 
 logger = logging.getLogger(__name__)
 
@@ -406,6 +407,34 @@ class CheckpointManager:
         self._store.metadata(_check_step(step))
         self._store.delete([step], dist=self._dist)
 
+    def apply_retention(self, *, dry_run: bool = False) -> list[RetentionDecision]:
+        """Apply the retention policy now, as after a save: delete the steps it does not keep.
+
+        The kept set is the union of what each retention rule keeps, plus the latest committed
+        step, always (docs/retention.md); with no retention option, every step is kept.
+
+        Args:
+            dry_run: decide only; delete nothing (allowed on a read-only manager).
+
+        Returns:
+            One decision per committed step (ascending): kept or not, and by which rules.
+
+        Raises:
+            ReadOnlyError: a read-only manager without ``dry_run``.
+            CheckpointError, OSError: a deletion failed (the steps not deleted stay listed).
+
+        On a writing manager under torch.distributed this is collective (rank 0 decides, every
+        rank gets its decisions, the deletion is agreed): call it on every rank.
+        """
+        self._check_open()
+        if self._options.read_only and not dry_run:
+            raise ReadOnlyError(
+                f"this manager opened {self.directory} read-only; it cannot delete steps. Use "
+                "apply_retention(dry_run=True) to see what retention keeps"
+            )
+        self._background.wait(reason="apply_retention")
+        return self._apply_retention(self._dist, dry_run=dry_run, after_save=False)
+
     def wait_until_finished(self) -> None:
         """Block until a save in flight is committed; re-raise its failure, if any.
 
@@ -571,32 +600,38 @@ class CheckpointManager:
             for s, m in self._store.committed().items()
         ]
 
-    def _apply_retention(self, dist: Collective) -> None:
-        if self._retention is None:
-            return
-        infos = self._infos()
-        if not infos:
-            return
-        keep = set(self._retention.keep(infos)) | {infos[-1].step}
-        # Rank 0 decides, so that a policy that is not deterministic still deletes the same
-        # steps from every rank's view.
-        doomed = dist.broadcast([info.step for info in infos if info.step not in keep])
-        if not doomed:
-            return
-        logger.info("retention: deleting step(s) %s from %s", doomed, self.directory)
-        try:
-            self._store.delete(doomed, dist=dist)
-        except (CheckpointError, OSError) as exc:
-            # The new step is committed: failing save() for it would tell the loop its step is
-            # lost. A step not deleted stays listed and retention tries again after the next
-            # save; a half-removed one is out of the step namespace and is cleaned at open.
-            logger.error(
-                "retention could not delete step(s) %s from %s: %s; it will retry after the "
-                "next save",
-                doomed,
-                self.directory,
-                exc,
-            )
+    def _apply_retention(
+        self, dist: Collective, *, dry_run: bool = False, after_save: bool = True
+    ) -> list[RetentionDecision]:
+        decisions = decide(self._infos(), self._retention)
+        if self._retention is not None and decisions and not dry_run:
+            # Rank 0 decides, so that a policy that is not deterministic still deletes the same
+            # steps from every rank's view.
+            rows = dist.broadcast([[d.step, d.kept, list(d.kept_by)] for d in decisions])
+            decisions = [RetentionDecision(step, kept, tuple(by)) for step, kept, by in rows]
+            doomed = [d.step for d in decisions if not d.kept]
+            if doomed:
+                logger.info("retention: deleting step(s) %s from %s", doomed, self.directory)
+                try:
+                    self._store.delete(doomed, dist=dist)
+                except (CheckpointError, OSError) as exc:
+                    if not after_save:
+                        raise
+                    # The new step is committed: failing save() for it would tell the loop its
+                    # step is lost. A step not deleted stays listed and retention tries again
+                    # after the next save; a half-removed one is out of the step namespace and
+                    # is cleaned at open.
+                    logger.error(
+                        "retention could not delete step(s) %s from %s: %s; it will retry "
+                        "after the next save",
+                        doomed,
+                        self.directory,
+                        exc,
+                    )
+        if not dry_run and not self._options.read_only and dist.is_primary:
+            # After the deletions, so that the commit and retention renames come first.
+            record(self.directory, self._options)
+        return decisions
 
     def _warn_if_unranked(self, step: int, metrics: Mapping[str, float]) -> None:
         missing = sorted({rule.metric for rule in self._ranking if rule.metric not in metrics})

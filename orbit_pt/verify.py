@@ -9,7 +9,8 @@
 
 What is checked, for one step folder (format in docs/format.md):
 
-- ``_CHECKPOINT_METADATA`` parses and names the step of the folder;
+- the folder is a committed step, by the rule every reader uses (``_storage/root.py``): a
+  folder (not a link), whose ``_CHECKPOINT_METADATA`` parses and names the step of the folder;
 - every file it lists exists, is a regular file inside the step folder, and has its recorded size;
 - no file is present that it does not list (a stray or half-copied file);
 - every recorded checksum matches the file's bytes (the whole file is read);
@@ -29,21 +30,15 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Literal
 
 import msgpack
 
-from orbit_pt._format import checksum as _checksum
 from orbit_pt._format.safetensors import SafetensorsReader
 from orbit_pt._storage import layout as _layout
-from orbit_pt.errors import (
-    CheckpointError,
-    CheckpointValueError,
-    CorruptCheckpointError,
-    StepNotFoundError,
-)
-from orbit_pt.metadata import StepMetadata
+from orbit_pt._storage import root as _root
+from orbit_pt.errors import CheckpointValueError, CorruptCheckpointError, StepNotFoundError
 
 __all__ = ["Problem", "ProblemKind", "VerifyReport", "verify_step"]
 
@@ -52,7 +47,8 @@ ProblemKind = Literal[
 ]
 """What a :class:`Problem` is about:
 
-- ``metadata``: ``_CHECKPOINT_METADATA`` is missing, unreadable, or names another step;
+- ``metadata``: the folder is not a committed step: ``_CHECKPOINT_METADATA`` is missing,
+  unreadable, or names another step, or the step's name is a link or a file, not a folder;
 - ``missing``: a listed file does not exist; ``not-a-file``: it is a folder or a link;
 - ``size``: a listed file has another size than recorded (truncated or appended to);
 - ``checksum``: a listed file's bytes changed, or its checksum algorithm is unknown;
@@ -62,7 +58,6 @@ ProblemKind = Literal[
 - ``no-checksum``: a file recorded without a checksum, with ``require_checksums=True``.
 """
 
-_CHUNK = 16 << 20
 ProgressCallback = Callable[[int], None]
 
 
@@ -178,8 +173,7 @@ def verify_step(
         them into a :class:`~orbit_pt.CorruptCheckpointError`.
 
     Raises:
-        StepNotFoundError: there is no folder for that step (or ``directory`` is not a step
-            folder that exists).
+        StepNotFoundError: nothing has that step's name (or ``directory`` does not exist).
         CheckpointValueError: ``directory`` is not named like a step folder and no ``step`` was
             given.
     """
@@ -196,18 +190,10 @@ def verify_step(
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointValueError(f"step must be an int >= 0, got {step!r}")
         root, step_dir = path, path / _layout.step_name(step)
-    if not step_dir.is_dir():
-        raise StepNotFoundError(step, root, steps_under(root))
-    return _Verifier(step, step_dir, require_checksums, progress).run()
-
-
-def steps_under(root: Path) -> list[int]:
-    """The steps of the step-named folders under ``root`` (committed or not), ascending."""
-    try:
-        names = [entry.name for entry in os.scandir(root) if entry.is_dir()]
-    except OSError:
-        return []
-    return sorted(s for s in map(_layout.parse_step_name, names) if s is not None)
+    entry = _root.step_entry(root, step)
+    if entry is None:
+        raise StepNotFoundError(step, root, _root.committed_steps(root))
+    return _Verifier(step, step_dir, require_checksums, progress).run(entry)
 
 
 class _Verifier:
@@ -226,13 +212,25 @@ class _Verifier:
     def problem(self, path: str, kind: ProblemKind, detail: str) -> None:
         self.problems.append(Problem(path, kind, detail))
 
-    def run(self) -> VerifyReport:
-        meta = self._metadata()
-        present = self._present_files()
+    def run(self, entry: _root.RootEntry) -> VerifyReport:
+        meta = entry.meta if entry.committed else None
+        if meta is None:
+            self.problem(_layout.METADATA_FILE, "metadata", f"not a committed step: {entry.reason}")
         listed = dict(meta.files) if meta is not None else {}
         if meta is not None:
-            for rel, info in listed.items():
-                self._check_listed(rel, info.size, info.checksum)
+            present = self._present_files()
+            for check in _root.check_listed_files(
+                self.step_dir, listed, require_checksums=self.require, progress=self.progress
+            ):
+                self.bytes_read += check.bytes_read
+                if check.problem is not None:
+                    self.problem(check.rel, check.problem, check.detail)
+                if check.checksummed:
+                    self.checksummed.append(check.rel)
+                if check.unchecksummed:
+                    self.unchecksummed.append(check.rel)
+                if check.sized:
+                    self._check_content(check.rel, check.path)
             for rel in sorted(present - set(listed) - {_layout.METADATA_FILE}):
                 self.problem(
                     rel,
@@ -255,31 +253,6 @@ class _Verifier:
             files=len(listed),
         )
 
-    def _metadata(self) -> StepMetadata | None:
-        path = self.step_dir / _layout.METADATA_FILE
-        if not path.is_file():
-            self.problem(
-                _layout.METADATA_FILE,
-                "metadata",
-                "is missing: the step was never committed (a crash mid-save, or a copy that "
-                "stopped early); it is not a checkpoint",
-            )
-            return None
-        try:
-            meta = StepMetadata.read(path)
-        except CorruptCheckpointError as exc:
-            self.problem(_layout.METADATA_FILE, "metadata", str(exc))
-            return None
-        if meta.step != self.step:
-            self.problem(
-                _layout.METADATA_FILE,
-                "metadata",
-                f"records step {meta.step}, but the folder is named for step {self.step} (renamed "
-                f"by hand?); rename it back to {_layout.step_name(meta.step)}",
-            )
-            return None
-        return meta
-
     def _present_files(self) -> set[str]:
         found: set[str] = set()
         for dirpath, dirnames, filenames in os.walk(self.step_dir):
@@ -292,69 +265,6 @@ class _Verifier:
                 if (base / name).is_symlink():
                     found.add((base / name).relative_to(self.step_dir).as_posix())
         return found
-
-    def _check_listed(self, rel: str, size: int, checksum: str | None) -> None:
-        pure = PurePosixPath(rel)
-        if pure.is_absolute() or ".." in pure.parts or not pure.parts or "\\" in rel:
-            self.problem(rel, "metadata", "is not a path inside the step folder; not read")
-            return
-        path = self.step_dir / pure
-        if path.is_symlink() or (path.exists() and not path.is_file()):
-            self.problem(rel, "not-a-file", "is not a regular file (a folder or a link)")
-            return
-        try:
-            actual = path.stat().st_size
-        except FileNotFoundError:
-            self.problem(rel, "missing", f"is missing (the metadata records {size} bytes)")
-            return
-        except OSError as exc:
-            self.problem(rel, "unreadable", f"cannot be read: {exc}")
-            return
-        if actual != size:
-            self.problem(
-                rel,
-                "size",
-                f"has {actual} bytes, the metadata records {size} (truncated or overwritten)",
-            )
-            return
-        if checksum is None:
-            if self.require:
-                self.problem(rel, "no-checksum", "has no recorded checksum (an older step)")
-            else:
-                self.unchecksummed.append(rel)
-        else:
-            self._check_checksum(rel, path, checksum)
-        self._check_content(rel, path)
-
-    def _check_checksum(self, rel: str, path: Path, recorded: str) -> None:
-        try:
-            _checksum.check_algorithm(recorded)
-        except CheckpointError as exc:
-            self.problem(rel, "checksum", str(exc))
-            return
-        digest = _checksum.Checksum()
-        buffer = bytearray(_CHUNK)
-        view = memoryview(buffer)
-        try:
-            with open(path, "rb", buffering=0) as f:
-                while n := f.readinto(view):
-                    digest.update(view[:n])
-                    self.bytes_read += n
-                    if self.progress is not None:
-                        self.progress(n)
-        except OSError as exc:
-            self.problem(rel, "unreadable", f"cannot be read: {exc}")
-            return
-        found = digest.value()
-        if found != recorded:
-            self.problem(
-                rel,
-                "checksum",
-                f"checksum mismatch: recorded {recorded}, the file now has {found} (its bytes "
-                "changed after the commit)",
-            )
-        else:
-            self.checksummed.append(rel)
 
     def _check_content(self, rel: str, path: Path) -> None:
         try:

@@ -1,4 +1,12 @@
-"""Durable filesystem primitives: fsync of files and folders, and durable small writes."""
+"""Durable filesystem primitives: fsync, durable small writes, and publishing by rename.
+
+Everything orbit_pt makes appear -- a committed step, an exported model folder, the root's
+retention record -- is written under a temporary name, made durable, and renamed into place
+with :func:`replace_durably`, so that it appears whole or not at all. :func:`staged_folder` is
+that whole sequence for a folder written in one go; the commit of a step runs the same three
+steps (:func:`fresh_folder`, :func:`fsync_tree`, :func:`replace_durably`) across the ranks'
+agreement phases (``_storage/store.py``).
+"""
 
 from __future__ import annotations
 
@@ -34,6 +42,55 @@ def write_file_durably(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def replace_durably(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst`` atomically (replacing it) and make the rename durable.
+
+    ``src`` must already be durable (its data fsynced): the rename is the commit point, and
+    after a crash the name ``dst`` holds either what it held before or all of ``src``.
+    """
+    os.replace(src, dst)
+    fsync_path(dst.parent)
+    if src.parent != dst.parent:
+        fsync_path(src.parent)
+
+
+def write_file_atomically(path: Path, data: bytes) -> None:
+    """Replace the file at ``path`` with ``data``: a reader sees the old bytes or the new ones.
+
+    The temporary file has a fixed name beside ``path`` (``<name>.tmp``): only the root's one
+    writer writes these files, and a leftover from a crash is simply overwritten next time.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    write_file_durably(tmp, data)
+    replace_durably(tmp, path)
+
+
+def fresh_folder(path: Path) -> None:
+    """Create ``path`` as an empty folder, removing whatever a crash left there first."""
+    remove_tree(path)
+    path.mkdir()
+
+
+@contextlib.contextmanager
+def staged_folder(tmp: Path, final: Path) -> Iterator[Path]:
+    """Write a folder that appears at ``final`` whole or not at all.
+
+    Yields ``tmp``, a fresh empty folder beside ``final``; when the block ends, every file and
+    folder under it is fsynced and it is renamed to ``final``. If the block (or the publishing)
+    fails, ``tmp`` is removed and nothing appears at ``final``.
+    """
+    fresh_folder(tmp)
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        replace_durably(tmp, final)
+    except BaseException:
+        remove_tree(tmp)
+        raise
 
 
 def iter_files(root: Path) -> Iterator[Path]:

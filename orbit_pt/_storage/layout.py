@@ -2,7 +2,8 @@
 
 A committed step lives in ``step_<step, zero-padded to 8 digits>/``; larger steps simply have more
 digits. Anything else in the root -- other files, ``*.orbit-tmp`` folders, ``superseded/`` --
-is never a step.
+is never a step. Which entries of a root are committed steps is decided by ``_storage/root.py``
+from these names.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ DELETING_SUFFIX = ".orbit-deleting"
 METADATA_FILE = "_CHECKPOINT_METADATA"
 SUPERSEDED_DIR = "superseded"
 LOCK_FILE = ".orbit.lock"
+# The retention options the root's writer last used, so that `orbit-pt ls` can show which rule
+# keeps each step without the training job's code (orbit_pt/retention.py writes it).
+RETENTION_FILE = ".orbit-retention.json"
+# The root's own files: neither steps nor anything foreign (the ``.tmp`` is a crash leftover of
+# the retention record's atomic write).
+ROOT_FILES = frozenset({LOCK_FILE, RETENTION_FILE, RETENTION_FILE + ".tmp"})
 
 _STEP_NAME = re.compile(r"step_(\d{8,})")
 
@@ -38,6 +45,17 @@ def parse_step_name(name: str) -> int | None:
         return None
     step = int(match.group(1))
     return step if step_name(step) == name else None
+
+
+def superseded_name(step: int, stamp: str, n: int = 0) -> str:
+    """The name of ``step`` moved into ``superseded/`` at time ``stamp`` (``n``: a repeat)."""
+    name = f"{step_name(step)}.{stamp}"
+    return f"{name}.{n}" if n else name
+
+
+def parse_superseded_name(name: str) -> int | None:
+    """The step an entry of ``superseded/`` was, or None when it was not one of orbit_pt's."""
+    return parse_step_name(name.split(".", 1)[0])
 
 
 def tmp_name(step: int) -> str:

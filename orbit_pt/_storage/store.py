@@ -1,10 +1,11 @@
-"""The root folder: discovery of committed steps, the atomic commit, superseding and deletion.
+"""The root folder: the view of its committed steps, the atomic commit, superseding and deletion.
 
 Commit protocol (docs/format.md): write the step into ``step_N.orbit-tmp/``, fsync every file and
 folder in it, write ``_CHECKPOINT_METADATA`` last and fsync it and the folder, move any steps the
 new one replaces into ``superseded/``, ``os.replace`` the folder to ``step_N/``, fsync the root.
-A folder is a committed step exactly when its name is a step name and its metadata file is
-readable; so a crash at any instant leaves either the old set of steps or the new one.
+Which folders are committed steps is decided by ``_storage/root.py`` (a step-named folder, not a
+link, whose metadata is readable and names its step); so a crash at any instant leaves either
+the old set of steps or the new one.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from orbit_pt._format import coverage as _coverage
 from orbit_pt._format import progress as _progress
 from orbit_pt._storage import fs as _fs
 from orbit_pt._storage import layout as _layout
+from orbit_pt._storage import root as _root
 from orbit_pt.errors import (
     CheckpointError,
     CheckpointLockedError,
@@ -65,7 +67,7 @@ class StepStore:
         self._committed: dict[int, StepMetadata] = {}
         # step -> identity of the metadata file it was read from, so that a rescan re-reads a
         # step that another process replaced (a rollback) and no other.
-        self._seen: dict[int, tuple[int, int, int] | None] = {}
+        self._seen: dict[int, _root.Identity | None] = {}
         if not read_only:
             self.dist.run_everywhere(
                 "orbit_pt.open", lambda: self._open_writer(lock_timeout), label=f"opening {root}"
@@ -117,44 +119,26 @@ class StepStore:
                 self._committed = dict(sorted(found.items()))
 
     def _scan(self) -> None:
-        found: dict[int, StepMetadata] = {}
-        seen: dict[int, tuple[int, int, int] | None] = {}
-        try:
-            entries = list(os.scandir(self.root))
-        except FileNotFoundError:
-            entries = []
-        for entry in entries:
-            step = _layout.parse_step_name(entry.name)
-            if step is None or not entry.is_dir(follow_symlinks=False):
-                continue
-            signature = _identity(Path(entry.path) / _layout.METADATA_FILE)
-            known = self._committed.get(step)
-            if known is not None and signature is not None and self._seen.get(step) == signature:
-                found[step], seen[step] = known, signature
-                continue
-            meta = self._read_committed(Path(entry.path), step)
-            if meta is not None:
-                found[step], seen[step] = meta, signature
-        self._committed = dict(sorted(found.items()))
-        self._seen = seen
+        known = {
+            step: (seen, self._committed[step])
+            for step, seen in self._seen.items()
+            if seen is not None and step in self._committed
+        }
+        self._take(_root.scan_root(self.root, superseded=False, known=known))
 
-    def _read_committed(self, path: Path, step: int) -> StepMetadata | None:
-        meta_path = path / _layout.METADATA_FILE
-        if not meta_path.is_file():
-            return None  # not committed: never a step
-        try:
-            meta = StepMetadata.read(meta_path)
-        except CorruptCheckpointError as exc:
-            logger.warning("ignoring %s: %s", path, exc)
-            return None
-        if meta.step != step:
-            logger.warning(
-                "ignoring %s: its metadata says step %d; the folder was renamed by hand",
-                path,
-                meta.step,
-            )
-            return None
-        return meta
+    def _take(self, entries: Sequence[_root.RootEntry]) -> None:
+        """Make the committed entries of a scan the view (under the mutex)."""
+        found: dict[int, StepMetadata] = {}
+        seen: dict[int, _root.Identity | None] = {}
+        for entry in entries:
+            if entry.committed and entry.step is not None and entry.meta is not None:
+                found[entry.step], seen[entry.step] = entry.meta, entry.identity
+            elif entry.defect in ("bad-metadata", "other-step"):
+                # Someone wrote or renamed a step folder by hand: say where, so it can be found.
+                logger.warning("ignoring %s: %s", entry.path, entry.reason)
+        with self._mutex:
+            self._committed = dict(sorted(found.items()))
+            self._seen = seen
 
     def steps(self) -> list[int]:
         if self.read_only:
@@ -183,35 +167,20 @@ class StepStore:
     def check_files(
         self, step: int, meta: StepMetadata, *, checksums_of: Iterable[str] = ()
     ) -> None:
-        """Every file the metadata lists is present with its recorded size.
+        """Every file the metadata lists is a regular file with its recorded size.
 
         Files of the items named in ``checksums_of`` are also read in full and checked against
-        their recorded checksums.
+        their recorded checksums. The first problem raises :class:`CorruptCheckpointError`.
         """
         base = self.step_path(step)
         verified = tuple(f"{item}/" for item in checksums_of)
-        for rel, info in meta.files.items():
-            path = base / rel
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
+        for check in _root.check_listed_files(
+            base, meta.files, checksums=lambda rel: rel.startswith(verified)
+        ):
+            if check.problem is not None:
                 raise CorruptCheckpointError(
-                    f"step {step} is damaged: {path} is missing; restore another step"
-                ) from None
-            if size != info.size:
-                raise CorruptCheckpointError(
-                    f"step {step} is damaged: {path} has {size} bytes, the metadata recorded "
-                    f"{info.size} (truncated or overwritten); restore another step"
+                    f"step {step} is damaged: {check.path} {check.detail}; restore another step"
                 )
-            if rel.startswith(verified) and info.checksum is not None:
-                _checksum.check_algorithm(info.checksum)
-                actual = _checksum.of_file(path)
-                if actual != info.checksum:
-                    raise CorruptCheckpointError(
-                        f"step {step} is damaged: {path} has checksum {actual}, the metadata "
-                        f"recorded {info.checksum} (its bytes changed after the commit); "
-                        "restore another step"
-                    )
 
     # ---------------------------------------------------------------------------------- commit
 
@@ -269,8 +238,7 @@ class StepStore:
             try:
                 with self._mutex:
                     superseded = self._supersede_from(step)
-                    os.replace(tmp, self.step_path(step))
-                    _fs.fsync_path(self.root)
+                    _fs.replace_durably(tmp, self.step_path(step))  # the commit point
                     self._record(step, meta, superseded)
                 outcome = {"meta": meta.to_json().decode(), "superseded": superseded}
             except BaseException as exc:
@@ -311,19 +279,22 @@ class StepStore:
             self._seen.pop(victim, None)
         self._committed[step] = meta
         self._committed = dict(sorted(self._committed.items()))
-        self._seen[step] = _identity(self.step_path(step) / _layout.METADATA_FILE)
+        self._seen[step] = _root.metadata_identity(self.step_path(step))
 
     def _prepare(self, step: int, tmp: Path, *, primary: bool) -> None:
         if not primary:
             return
         final = self.step_path(step)
-        if final.exists() and step not in self._committed:
+        # lexists: a link (even a dangling one) under the step's name is in the way too; the
+        # rename would silently replace it.
+        if os.path.lexists(final) and step not in self._committed:
+            entry = _root.step_entry(self.root, step)
+            why = entry.reason if entry is not None and entry.reason else "not committed"
             raise StepAlreadyExistsError(
-                f"{final} exists but is not a committed orbit_pt step (no readable "
-                f"{_layout.METADATA_FILE}); move it out of {self.root} and save again"
+                f"{final} exists but is not a committed orbit_pt step ({why}); move it out of "
+                f"{self.root} and save again"
             )
-        _fs.remove_tree(tmp)
-        tmp.mkdir()
+        _fs.fresh_folder(tmp)
 
     def _write(self, tmp: Path, write_items: WriteItems) -> tuple[dict[str, ItemMetadata], dict]:
         """Write this rank's part; report the checksums it computed and the ranges it wrote."""
@@ -411,12 +382,11 @@ class StepStore:
         folder.mkdir(exist_ok=True)
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
         for victim in victims:
-            destination = folder / f"{_layout.step_name(victim)}.{stamp}"
             # A coarse clock can repeat a stamp; renaming onto an existing folder would fail.
-            for n in itertools.count(1):
+            for n in itertools.count():
+                destination = folder / _layout.superseded_name(victim, stamp, n)
                 if not os.path.lexists(destination):
                     break
-                destination = folder / f"{_layout.step_name(victim)}.{stamp}.{n}"
             os.replace(self.step_path(victim), destination)
         _fs.fsync_path(folder)
         _fs.fsync_path(self.root)
@@ -459,17 +429,10 @@ class StepStore:
     def _remove_leftovers(self) -> None:
         """Remove temporary and half-deleted folders that a crashed writer left behind."""
         removed = []
-        for entry in os.scandir(self.root):
-            name = entry.name
-            for suffix in (_layout.TMP_SUFFIX, _layout.DELETING_SUFFIX):
-                stem = name.removesuffix(suffix)
-                if (
-                    name.endswith(suffix)
-                    and _layout.parse_step_name(stem) is not None
-                    and entry.is_dir(follow_symlinks=False)
-                ):
-                    _fs.remove_tree(Path(entry.path))
-                    removed.append(name)
+        for entry in _root.scan_root(self.root, superseded=False):
+            if entry.kind in ("temporary", "deleting"):
+                _fs.remove_tree(entry.path)
+                removed.append(entry.name)
         if removed:
             _fs.fsync_path(self.root)
             logger.info("removed %d leftover folder(s) in %s: %s", len(removed), self.root, removed)
@@ -483,12 +446,3 @@ class StepStore:
 def _reason(exc: BaseException) -> str:
     text = str(exc)
     return text if isinstance(exc, CheckpointError) and text else f"{type(exc).__name__}: {text}"
-
-
-def _identity(path: Path) -> tuple[int, int, int] | None:
-    """The inode, size and modification time of ``path``, or None when it cannot be stat'ed."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
