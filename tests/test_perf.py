@@ -78,13 +78,21 @@ def test_async_save_blocks_for_little_more_than_a_copy(tmp_path: Path, state: tu
 
     options = CheckpointManagerOptions(async_save=True, keep_last_n=1, preemption_signals=())
     steps = iter(range(100))
+    blocked_times, copied_times = [], []
     with CheckpointManager(tmp_path, options=options) as mgr:
         items = {"model": model, "optimizer": optimizer}
         mgr.save(next(steps), items, force=True)  # first save allocates the staging buffers
-        blocked = _median(
-            lambda: mgr.save(next(steps), items, force=True), before=mgr.wait_until_finished
-        )
-    copied = _median(copy)
+        copy()  # and this one its buffers
+        # Interleaved, so that a burst of load from other processes on this shared machine
+        # (memory bandwidth) slows both sides alike instead of one.
+        for _ in range(7):
+            mgr.wait_until_finished()
+            copied_times.append(_median(copy))
+            started = time.perf_counter()
+            mgr.save(next(steps), items, force=True)
+            blocked_times.append(time.perf_counter() - started)
+    blocked = statistics.median(blocked_times)
+    copied = statistics.median(copied_times)
     # Target: <= 1.5x the copy. Here <= 4x, with the noise of a shared 2-core machine.
     assert blocked <= 4 * copied + 0.02, f"blocked {blocked:.3f}s vs copy {copied:.3f}s"
 
