@@ -39,6 +39,7 @@ from orbit_pt.errors import (
     ItemNotFoundError,
     StepAlreadyExistsError,
 )
+from orbit_pt.handlers._peft import ADAPTER_CONFIG
 from orbit_pt.handlers.model import CONFIG_FILE, INDEX_FILE, open_model_folder
 from orbit_pt.metadata import StepMetadata
 from orbit_pt.verify import verify_step
@@ -131,6 +132,14 @@ def export_model(
             )
     _check_out(out)
     source = entry.path / name
+    if (source / ADAPTER_CONFIG).is_file():
+        # Its tensors are a LoRA adapter's, not a model's: copied as a model folder they would
+        # load as a model with random weights.
+        raise CheckpointValueError(
+            f"item {name!r} of step {step} in {root} is a PEFT adapter, not a whole model; load "
+            "it with peft.PeftModel.from_pretrained(base_model, step_dir / "
+            f"{name!r}) and merge_and_unload() it (exporting a merged model is not built yet)"
+        )
     readers = open_model_folder(source)
     tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.orbit-export-tmp"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,10 @@ saved by the state handler like any other item -- no handler of their own::
     mgr.restore(None, {"model": model, "optimizer": opt, "recipe": recipe})
     start = recipe.step + 1
 
-RNG and dataloader positions differ per rank; save them per rank (one item per rank, or a
-per-rank handler) when training on several processes.
+RNG and dataloader positions differ per rank; under torch.distributed the state handler saves
+the item per rank. ``state_dict()`` records the class of each stateful field under ``"_kinds"``,
+so that a restore into a ``RecipeState`` that lacks a field restores an RNG state anyway and
+refuses, by name, a data loader or scheduler it has nowhere to put.
 """
 
 from __future__ import annotations
@@ -23,9 +25,17 @@ from typing import Any
 import torch
 
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, StateMismatchError
-from orbit_pt.handlers.state import has_state_dict
+from orbit_pt.handlers._codec import has_state_dict
+from orbit_pt.handlers._mismatch import class_name, same_class
 
 logger = logging.getLogger(__name__)
+
+# The key of RecipeState.state_dict() that records the class of each stateful field (field
+# names cannot start with "_", so it never collides with one).
+KINDS_KEY = "_kinds"
+# The generators RNGState.state_dict() captures: what a step saved before KINDS_KEY existed
+# holds for an RNGState field.
+_RNG_KEYS = frozenset({"python", "torch", "numpy", "cuda"})
 
 
 class RNGState:
@@ -147,14 +157,28 @@ class RecipeState:
         return {name: value for name, value in vars(self).items() if not name.startswith("_")}
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain fields as they are, stateful fields as their ``state_dict()``."""
-        return {
+        """Plain fields as they are, stateful fields as their ``state_dict()``.
+
+        Under ``"_kinds"`` it records the class of each stateful field, so that a restore can
+        tell an RNG state from a data loader's when the live field is missing.
+        """
+        fields = self.fields()
+        state = {
             name: value.state_dict() if has_state_dict(value) else value
-            for name, value in self.fields().items()
+            for name, value in fields.items()
         }
+        state[KINDS_KEY] = {
+            name: class_name(type(value)) for name, value in fields.items() if has_state_dict(value)
+        }
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore every saved field: stateful ones in place, plain ones by assignment.
+
+        A field saved from an :class:`RNGState` is restored into the generators even when this
+        object has no such field (or holds a plain value there): a new ``RNGState`` is put in
+        the field. Any other stateful field (a data loader, a scheduler) must be here, holding
+        the live object of the class it was saved from, to be restored in place.
 
         :class:`RNGState` fields are restored last, after every other field has been loaded
         and asked for its ``state_dict()`` once (so that lazy set-up, such as the resumed
@@ -162,23 +186,45 @@ class RecipeState:
         are put back).
 
         Raises:
-            StateMismatchError: a stateful field of this object was not saved, or the object
-                rejected its saved state. Fields saved but absent here are added.
+            StateMismatchError: a stateful field of this object was not saved, a stateful field
+                was saved from another class than the live one, or is not here to restore into;
+                or an object rejected its saved state. Checked before anything is loaded.
+                Plain fields saved but absent here are added.
         """
         if not isinstance(state, Mapping):
             raise CheckpointTypeError(
                 f"RecipeState.load_state_dict needs a mapping, got {type(state).__name__}"
             )
         current = self.fields()
-        missing = [n for n, v in current.items() if has_state_dict(v) and n not in state]
+        saved = {name: value for name, value in state.items() if name != KINDS_KEY}
+        missing = [n for n, v in current.items() if has_state_dict(v) and n not in saved]
         if missing:
             raise StateMismatchError(
-                f"the saved recipe state has no field(s) {missing}; it holds {sorted(state)}. "
+                f"the saved recipe state has no field(s) {missing}; it holds {sorted(saved)}. "
                 "Build the RecipeState with the fields it was saved with"
             )
+        kinds = _saved_kinds(state.get(KINDS_KEY), saved)
+        problems = [
+            problem
+            for name in saved
+            if (problem := _field_problem(name, kinds.get(name), current)) is not None
+        ]
+        if problems:
+            raise StateMismatchError(
+                "the saved recipe state does not fit this RecipeState:\n  "
+                + "\n  ".join(problems)
+                + "\nBuild the RecipeState with each stateful field holding its live object "
+                "(e.g. RecipeState(..., dataloader=loader, scheduler=scheduler)) so that it is "
+                "restored in place, or restore the item without a target to read the saved "
+                "state as plain values"
+            )
         rngs = []
-        for name, value in state.items():
+        for name, value in saved.items():
             live = current.get(name)
+            if not has_state_dict(live) and kinds.get(name) is RNGState:
+                live = RNGState()  # restores the generators, and is saved as one again
+                setattr(self, str(name), live)
+                current[name] = live
             if isinstance(live, RNGState):
                 rngs.append((live, value))
             elif live is not None and has_state_dict(live):
@@ -191,7 +237,7 @@ class RecipeState:
             # -- a draw the interrupted run never made. state_dict() makes them build now, and
             # the generators are restored after that, so the streams continue exactly where the
             # interrupted run left them.
-            for name in state:
+            for name in saved:
                 live = current.get(name)
                 if live is not None and not isinstance(live, RNGState) and has_state_dict(live):
                     live.state_dict()
@@ -207,6 +253,41 @@ class RecipeState:
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v!r}" for k, v in self.fields().items())
         return f"RecipeState({shown})"
+
+
+def _saved_kinds(recorded: Any, saved: Mapping[str, Any]) -> dict[str, type | str]:
+    """The class each stateful field was saved from: ``RNGState`` itself, or a class name.
+
+    Steps saved before the classes were recorded hold no ``"_kinds"``; a field there counts as
+    an RNG state when it holds exactly what :meth:`RNGState.state_dict` captures.
+    """
+    if not isinstance(recorded, Mapping):
+        return {
+            name: RNGState
+            for name, value in saved.items()
+            if isinstance(value, Mapping) and {"python", "torch"} <= set(value) <= _RNG_KEYS
+        }
+    return {
+        str(name): RNGState if same_class(kind, RNGState) else kind
+        for name, kind in recorded.items()
+        if isinstance(kind, str)
+    }
+
+
+def _field_problem(name: str, kind: type | str | None, current: Mapping[str, Any]) -> str | None:
+    """Why saved field ``name`` (saved from ``kind``; None: a plain value) cannot be restored."""
+    live = current.get(name)
+    if kind is None or (kind is RNGState and not has_state_dict(live)):
+        return None
+    saved_from = kind.__name__ if isinstance(kind, type) else kind
+    if not has_state_dict(live):
+        here = "missing here" if name not in current else f"a {type(live).__name__} here"
+        return f"{name}: saved from a {saved_from}'s state_dict(), but the field is {here}"
+    if isinstance(kind, str) and not same_class(kind, type(live)):
+        return f"{name}: saved from a {kind}, but the field holds a {class_name(type(live))}"
+    if kind is RNGState and not isinstance(live, RNGState):
+        return f"{name}: saved from an RNGState, but the field holds a {class_name(type(live))}"
+    return None
 
 
 def _numpy() -> Any:

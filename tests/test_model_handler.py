@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors
@@ -14,7 +15,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from orbit_pt import CheckpointError, CheckpointManager, CorruptCheckpointError, StateMismatchError
+from orbit_pt import (
+    CheckpointError,
+    CheckpointManager,
+    CheckpointManagerOptions,
+    CorruptCheckpointError,
+    StateMismatchError,
+)
 from orbit_pt._format.safetensors import build_header
 from orbit_pt.errors import CheckpointValueError
 from orbit_pt.handlers import HandlerContext, ModelHandler, default_handler
@@ -361,9 +368,9 @@ def test_missing_item_names_what_the_checkpoint_has(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ transformers
 
 
-def _llama(tied: bool) -> nn.Module:
+def _llama_config(tied: bool) -> Any:
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
+    return transformers.LlamaConfig(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -372,8 +379,14 @@ def _llama(tied: bool) -> nn.Module:
         vocab_size=128,
         tie_word_embeddings=tied,
     )
+
+
+def _llama(tied: bool) -> Any:
+    from transformers import LlamaForCausalLM
+
+    config = _llama_config(tied)
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)  # type: ignore[no-any-return]
+    return LlamaForCausalLM(config)
 
 
 @pytest.mark.parametrize(("tied", "max_shard"), [(True, None), (False, None), (True, 20_000)])
@@ -411,3 +424,188 @@ def test_from_pretrained_with_export_dtype(tmp_path: Path) -> None:
     loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     expected = {k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()}
     assert all(torch.equal(expected[k], v) for k, v in loaded.state_dict().items())
+
+
+# ------------------------------------------------------- config.json only when the weights fit
+
+
+def _untie(model: Any) -> None:
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+
+
+def _add_layer(model: Any) -> None:
+    model.model.extra = nn.Linear(32, 32)
+
+
+def _resize_head(model: Any) -> None:
+    model.lm_head = nn.Linear(32, 100, bias=False)
+
+
+@pytest.mark.parametrize(
+    ("edit", "tied", "reason"),
+    [
+        (_add_layer, False, "model keys are not in it, e.g. ['model.extra.bias'"),
+        (_resize_head, False, "lm_head.weight: model [100, 32], config [128, 32]"),
+        (_untie, True, "tied differently: written ['lm_head.weight']"),
+    ],
+    ids=["extra-layer", "resized-head", "untied-by-hand"],
+)
+def test_no_config_json_when_the_weights_do_not_fit_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, edit: object, tied: bool, reason: str
+) -> None:
+    model = _llama(tied)
+    edit(model)  # type: ignore[operator]
+    with caplog.at_level(logging.WARNING), CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(4, {"model": model}, force=True)
+        folder = mgr.step_dir(4) / "model"
+        assert not (folder / "config.json").exists()
+        assert not (folder / "generation_config.json").exists()
+        # still a checkpoint: it restores with orbit_pt
+        other = _llama(tied)
+        edit(other)  # type: ignore[operator]
+        mgr.restore(4, {"model": other})
+        assert _same(model, other)
+    assert "not writing config.json for the LlamaForCausalLM model" in caplog.text
+    assert reason in caplog.text
+
+
+def test_an_explicit_config_is_written_as_given(tmp_path: Path) -> None:
+    model = _llama(tied=False)
+    _add_layer(model)
+    folder = _save(model, tmp_path / "m", config={"model_type": "llama", "note": "mine"})
+    assert json.loads((folder / "config.json").read_text())["note"] == "mine"
+
+
+# ------------------------------------------------------------------------ meta-device targets
+
+
+def _logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out: torch.Tensor = model(ids).logits
+    return out
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_restore_into_a_meta_llama_materialises_it(tmp_path: Path, tied: bool) -> None:
+    transformers = pytest.importorskip("transformers")
+    model = _llama(tied)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(1, {"model": model, "optimizer": opt}, force=True)
+        with torch.device("meta"):
+            target = transformers.LlamaForCausalLM(model.config)
+        target_opt = torch.optim.AdamW(target.parameters(), lr=0.01)  # over meta parameters
+        params = [id(p) for p in target.parameters()]
+        mgr.restore(1, {"model": target, "optimizer": target_opt})
+    assert not any(t.is_meta for t in (*target.parameters(), *target.buffers()))
+    assert {t.device.type for t in target.parameters()} == {"cpu"}
+    assert [id(p) for p in target.parameters()] == params  # the optimizer's own parameters
+    assert _same(model, target)
+    # the non-persistent rotary buffers are recomputed, not left as garbage
+    assert torch.equal(target.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
+    if tied:
+        assert target.lm_head.weight is target.model.embed_tokens.weight
+    assert torch.equal(_logits(target, ids), _logits(model, ids))
+    for a, b in zip(
+        target_opt.state_dict()["state"].values(), opt.state_dict()["state"].values(), strict=True
+    ):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_a_partly_meta_module_materialises_only_its_meta_tensors(tmp_path: Path) -> None:
+    model = Tiny(tied=True)
+    folder = _save(model, tmp_path / "m")
+    target = Tiny(tied=True)
+    with torch.device("meta"):
+        target.mlp = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    embed = target.embed.weight
+    ModelHandler().restore(folder, target, CTX)
+    assert target.embed.weight is embed  # untouched objects stay
+    assert target.mlp[0].weight.device.type == "cpu"
+    assert _same(model, target)
+
+
+def test_meta_tensors_go_to_the_configured_device(tmp_path: Path) -> None:
+    folder = _save(Tiny(), tmp_path / "m")
+    with torch.device("meta"):
+        target = Tiny()
+    ModelHandler(device="cpu").restore(folder, target, CTX)
+    assert {p.device.type for p in target.parameters()} == {"cpu"}
+    with pytest.raises(CheckpointValueError, match="device must be"):
+        ModelHandler(device="nowhere")
+
+
+class _Rotary(Tiny):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+
+
+def test_meta_module_with_buffers_it_cannot_recompute_is_refused(tmp_path: Path) -> None:
+    folder = _save(_Rotary(), tmp_path / "m")
+    with torch.device("meta"):
+        target = _Rotary()
+    with pytest.raises(CheckpointValueError, match=r"non-persistent buffers \['inv_freq'\]"):
+        ModelHandler().restore(folder, target, CTX)
+    assert all(t.is_meta for t in (*target.parameters(), *target.buffers()))  # unchanged
+
+
+def test_meta_module_the_checkpoint_does_not_fill_is_refused(tmp_path: Path) -> None:
+    model = Tiny()
+    del model.head
+    folder = _save(model, tmp_path / "m")
+    with torch.device("meta"):
+        target = Tiny()
+    with pytest.raises(CheckpointValueError, match=r"no values for 1 .*'head\.weight'"):
+        ModelHandler(strict=False).restore(folder, target, CTX)
+    assert all(t.is_meta for t in target.parameters())
+
+
+def _meta_fsdp_ranks(rank: int, world_size: int, root: str, ref: str) -> None:
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import LlamaForCausalLM
+
+    want = load_file(f"{ref}/ref.safetensors")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_llama_config(tied=True))
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    assert model.lm_head.weight.to_local().is_meta
+    with CheckpointManager(root, options=CheckpointManagerOptions(read_only=True)) as mgr:
+        mgr.restore(1, {"model": model})
+    assert isinstance(model.lm_head.weight, DTensor)
+    assert not any(
+        (p.to_local() if isinstance(p, DTensor) else p).is_meta
+        for p in (*model.parameters(), *model.buffers())
+    )
+    ids, logits = want.pop("__ids__").long(), want.pop("__logits__")
+    full: dict[str, Any] = dict(
+        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    )
+    assert full.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(full[key], value), key
+    assert torch.equal(_logits(model, ids), logits)  # rotary buffers recomputed, ties kept
+    dist.barrier()
+
+
+@pytest.mark.distributed
+def test_restore_into_an_fsdp2_model_sharded_on_meta(tmp_path: Path) -> None:
+    from _distributed import run_ranks
+
+    model = _llama(tied=True)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(1, {"model": model}, force=True)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    reference.update({"__logits__": _logits(model, ids), "__ids__": ids.float()})
+    safetensors.torch.save_file(reference, tmp_path / "ref.safetensors")
+    run_ranks(2, _meta_fsdp_ranks, str(tmp_path / "ckpt"), str(tmp_path))

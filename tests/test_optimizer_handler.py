@@ -220,17 +220,15 @@ def test_shape_and_membership_mismatches_are_listed(tmp_path: Path) -> None:
     message = str(info.value)
     assert "mlp.0.weight: saved for shape [6, 6], the parameter is [4, 4]" in message
     assert "extra.weight is in the optimizer but not in the checkpoint" in message
+    assert "OptimizerHandler(strict=False)" in message
     assert opt2.state_dict() == before
 
 
-def test_group_count_mismatch(tmp_path: Path) -> None:
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    OptimizerHandler().save(tmp_path, opt, HandlerContext(1, {"model": model}))
-    params = list(model.parameters())
-    opt2 = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:]}], lr=0.1)
-    with pytest.raises(StateMismatchError, match="1 param group"):
-        OptimizerHandler().restore(tmp_path, opt2, HandlerContext(1, {"model": model}))
+def test_handler_options_are_validated() -> None:
+    with pytest.raises(CheckpointValueError, match=r"hyperparameters must be one of.*'newest'"):
+        OptimizerHandler(hyperparameters="newest")  # type: ignore[arg-type]
+    with pytest.raises(CheckpointTypeError, match="strict must be True or False"):
+        OptimizerHandler(strict="no")  # type: ignore[arg-type]
 
 
 def test_handler_rejects_non_optimizers() -> None:
@@ -265,3 +263,152 @@ def test_async_save_stages_model_and_optimizer(tmp_path: Path) -> None:
     _train(restored, restored_opt, 1, seed=9)
     _train(expected_model, expected_opt, 1, seed=9)
     assert _same_params(restored, expected_model)
+
+
+# ------------------------------------------------------------------ the optimizer's class and keys
+
+
+def _saved(tmp_path: Path, opt_factory: OptimizerFactory, steps: int = 2) -> tuple[Path, Net]:
+    """A step saved through the manager from a trained ``Net`` and its optimizer."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = opt_factory(list(model.parameters()))
+    _train(model, opt, steps, seed=1)
+    root = tmp_path / "ckpt"
+    with CheckpointManager(root) as mgr:
+        mgr.save(steps, {"model": model, "optimizer": opt}, force=True)
+    return root, model
+
+
+def _snapshot(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return copy.deepcopy(opt.state_dict())
+
+
+def _assert_unchanged(opt: torch.optim.Optimizer, before: dict[str, Any]) -> None:
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert after["state"].keys() == before["state"].keys()
+    for index, per_param in before["state"].items():
+        assert after["state"][index].keys() == per_param.keys()
+        for key, value in per_param.items():
+            assert torch.equal(torch.as_tensor(after["state"][index][key]), torch.as_tensor(value))
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "stepped"])
+def test_another_optimizer_class_is_refused_before_anything_changes(
+    tmp_path: Path, stepped: bool
+) -> None:
+    root, model = _saved(tmp_path, lambda ps: torch.optim.AdamW(ps, lr=0.01))
+    live = _copy(model)
+    opt = torch.optim.SGD(live.parameters(), lr=0.1, momentum=0.9)
+    if stepped:
+        _train(live, opt, 1, seed=5)
+    before = _snapshot(opt)
+    with CheckpointManager(root) as mgr, pytest.raises(StateMismatchError) as info:
+        mgr.restore(2, {"model": live, "optimizer": opt})
+    message = str(info.value)
+    assert "torch.optim.adamw.AdamW" in message
+    assert "torch.optim.sgd.SGD" in message
+    assert "[exp_avg, exp_avg_sq, step]" in message
+    assert "[momentum_buffer]" in message
+    _assert_unchanged(opt, before)
+    _train(live, opt, 1, seed=6)  # still usable: no KeyError: 'momentum_buffer' or 'momentum'
+
+
+@pytest.mark.parametrize(
+    ("saved_amsgrad", "live_amsgrad", "stepped", "where"),
+    [
+        (True, False, False, "only in the checkpoint: [max_exp_avg_sq]"),
+        (True, False, True, "only in the checkpoint: [max_exp_avg_sq]"),
+        (False, True, False, "not in the checkpoint: [max_exp_avg_sq]"),
+        (False, True, True, "not in the checkpoint: [max_exp_avg_sq]"),
+    ],
+)
+def test_state_keys_that_differ_are_refused(
+    tmp_path: Path, saved_amsgrad: bool, live_amsgrad: bool, stepped: bool, where: str
+) -> None:
+    root, model = _saved(tmp_path, lambda ps: torch.optim.Adam(ps, amsgrad=saved_amsgrad))
+    live = _copy(model)
+    opt = torch.optim.Adam(live.parameters(), amsgrad=live_amsgrad)
+    if stepped:
+        _train(live, opt, 1, seed=5)
+    before = _snapshot(opt)
+    with CheckpointManager(root) as mgr, pytest.raises(StateMismatchError) as info:
+        mgr.restore(2, {"model": live, "optimizer": opt})
+    message = str(info.value)
+    assert where in message, message
+    assert "embed.weight, mlp.0.weight" in message  # the parameters, not one line each
+    assert "amsgrad" in message  # the fix
+    _assert_unchanged(opt, before)
+
+
+def test_the_probe_runs_no_step_hooks_and_leaves_the_optimizer_alone(tmp_path: Path) -> None:
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    root, model = _saved(tmp_path, lambda ps: torch.optim.Adam(ps, lr=0.01))
+    calls: list[str] = []
+    handle = register_optimizer_step_pre_hook(lambda o, a, k: calls.append(type(o).__name__))
+    try:
+        live = _copy(model)
+        opt = torch.optim.Adam(live.parameters(), lr=0.01)
+        with CheckpointManager(root) as mgr:
+            mgr.restore(2, {"model": live, "optimizer": opt})
+    finally:
+        handle.remove()
+    assert calls == []
+    assert len(opt.state) == len(list(live.parameters()))
+
+
+def test_class_and_state_keys_are_recorded(tmp_path: Path) -> None:
+    root, _ = _saved(tmp_path, lambda ps: torch.optim.Adam(ps, amsgrad=True))
+    with CheckpointManager(root) as mgr:
+        info = mgr.metadata(2).items["optimizer"].info
+    assert info["optimizer_class"] == "torch.optim.adam.Adam"
+    assert info["state_keys"] == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"]
+    structure = msgpack.unpackb(
+        (root / "step_00000002" / "optimizer" / "optimizer.msgpack").read_bytes(), raw=False
+    )
+    assert structure["optimizer_class"] == "torch.optim.adam.Adam"
+
+
+def test_steps_saved_without_the_class_are_not_class_checked(tmp_path: Path) -> None:
+    # Adam and AdamW keep the same state keys: only the class tells them apart.
+    root, model = _saved(tmp_path, lambda ps: torch.optim.Adam(ps, lr=0.01))
+    live = _copy(model)
+    items = {"model": live, "optimizer": torch.optim.AdamW(live.parameters())}
+    with CheckpointManager(root) as mgr, pytest.raises(StateMismatchError, match="AdamW"):
+        mgr.restore(2, items)
+    path = root / "step_00000002" / "optimizer" / "optimizer.msgpack"
+    structure = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
+    del structure["optimizer_class"]  # as written before the class was recorded
+    path.write_bytes(msgpack.packb(structure, use_bin_type=True))
+    live = _copy(model)
+    opt = torch.optim.AdamW(live.parameters(), lr=0.01)
+    context = HandlerContext(2, {"model": live, "optimizer": opt})
+    OptimizerHandler().restore(path.parent, opt, context)
+    assert len(opt.state) == len(list(live.parameters()))
+
+
+def test_only_torchs_own_optimizers_are_probed(tmp_path: Path) -> None:
+    # A user class may count or log its steps: it is never stepped by the restore, so a fresh one
+    # gets the class check only (its first step then fails as it would with torch alone).
+    class CountingAdam(torch.optim.Adam):
+        steps = 0
+
+        def step(self, closure: Any = None) -> Any:
+            CountingAdam.steps += 1
+            return super().step(closure)
+
+    root, model = _saved(tmp_path, lambda ps: CountingAdam(ps, amsgrad=True))
+    live = _copy(model)
+    opt = CountingAdam(live.parameters(), amsgrad=False)
+    with CheckpointManager(root) as mgr:
+        mgr.restore(2, {"model": live, "optimizer": opt})
+    assert CountingAdam.steps == 2  # the two training steps before the save, no probe
+    # one that has stepped is checked against its own state
+    stepped_model = _copy(model)
+    stepped = CountingAdam(stepped_model.parameters(), amsgrad=False)
+    _train(stepped_model, stepped, 1, seed=3)
+    items = {"model": stepped_model, "optimizer": stepped}
+    with CheckpointManager(root) as mgr, pytest.raises(StateMismatchError, match="max_exp_avg_sq"):
+        mgr.restore(2, items)

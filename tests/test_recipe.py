@@ -8,8 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
 
-from orbit_pt import CheckpointManager, RecipeState, RNGState, StateMismatchError
+from orbit_pt import (
+    CheckpointManager,
+    CheckpointSaveError,
+    CheckpointTypeError,
+    RecipeState,
+    RNGState,
+    StateMismatchError,
+)
 
 
 def _draw() -> tuple[float, float, float, list[float]]:
@@ -74,6 +82,7 @@ def test_recipe_state_round_trip_with_stateful_fields(tmp_path: Path) -> None:
     assert fresh.best == {"loss": 0.5}
     assert fresh.sched is sched2
     assert sched2.state_dict() == sched.state_dict()
+    assert isinstance(fresh.rng, RNGState)
     assert "step=41" in repr(fresh)
 
 
@@ -87,3 +96,107 @@ def test_recipe_state_field_names() -> None:
     with pytest.raises(ValueError, match="cannot start with '_'"):
         RecipeState(_hidden=1)
     assert RecipeState(step=3, lr=0.1).fields() == {"step": 3, "epoch": 0, "lr": 0.1}
+
+
+# ------------------------------------------------------------ restoring into another RecipeState
+
+
+def _loader(seed: int = 0) -> StatefulDataLoader:
+    data = list(range(20))
+    sampler = torch.utils.data.RandomSampler(data, generator=torch.Generator().manual_seed(seed))
+    return StatefulDataLoader(data, batch_size=2, sampler=sampler)
+
+
+@pytest.mark.parametrize("live_rng", ["missing", "None"])
+def test_a_missing_rng_field_is_restored_as_an_rng_state(tmp_path: Path, live_rng: str) -> None:
+    torch.manual_seed(3)
+    random.seed(4)
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(1, {"recipe": RecipeState(step=1, rng=RNGState())}, force=True)
+        expected = [_draw() for _ in range(2)]
+        fresh = RecipeState() if live_rng == "missing" else RecipeState(rng=None)
+        mgr.restore(1, {"recipe": fresh})
+        assert [_draw() for _ in range(2)] == expected  # the generators were restored
+        assert isinstance(fresh.rng, RNGState)
+        # ... and the next save captures the generators again, not a stale dict
+        mgr.save(2, {"recipe": fresh}, force=True)
+        after = [_draw() for _ in range(2)]
+        mgr.restore(2, {"recipe": RecipeState()})
+        assert [_draw() for _ in range(2)] == after
+
+
+def test_a_step_saved_before_kinds_were_recorded_restores_its_rng(tmp_path: Path) -> None:
+    torch.manual_seed(5)
+    old_format = {"step": 1, "epoch": 0, "rng": RNGState().state_dict()}  # no "_kinds"
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(1, {"recipe": old_format}, force=True)
+        expected = torch.rand(3)
+        fresh = RecipeState()
+        mgr.restore(1, {"recipe": fresh})
+    assert isinstance(fresh.rng, RNGState)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_missing_stateful_field_is_an_error_naming_the_field(tmp_path: Path) -> None:
+    loader = _loader()
+    batches = iter(loader)
+    next(batches)
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(1, {"recipe": RecipeState(step=1, rng=RNGState(), data=loader)}, force=True)
+        fresh = RecipeState(step=0)
+        state = torch.get_rng_state()
+        with pytest.raises(StateMismatchError) as info:
+            mgr.restore(1, {"recipe": fresh})
+    message = str(info.value)
+    assert "data: saved from a torchdata.stateful_dataloader" in message
+    assert "StatefulDataLoader's state_dict(), but the field is missing here" in message
+    assert "RecipeState(..., dataloader=loader" in message
+    assert "without a target" in message
+    assert fresh.step == 0  # nothing was loaded
+    assert "rng" not in fresh.fields()
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_stateful_field_of_another_class_is_an_error(tmp_path: Path) -> None:
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(1, {"recipe": RecipeState(data=_loader())}, force=True)
+        with pytest.raises(StateMismatchError) as info:
+            mgr.restore(1, {"recipe": RecipeState(data=sched)})
+        mgr.save(2, {"recipe": RecipeState(rng=RNGState())}, force=True)
+        with pytest.raises(StateMismatchError, match="rng: saved from an RNGState, but the field"):
+            mgr.restore(2, {"recipe": RecipeState(rng=sched)})
+    message = str(info.value)
+    assert "data: saved from a torchdata.stateful_dataloader" in message
+    assert "the field holds a torch.optim.lr_scheduler.StepLR" in message
+
+
+def test_a_stateful_data_loader_resumes_its_position(tmp_path: Path) -> None:
+    loader = _loader(seed=1)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(3, {"recipe": RecipeState(step=3, data=loader)}, force=True)
+        rest = [b.tolist() for b in batches]
+        fresh_loader = _loader(seed=1)
+        mgr.restore(3, {"recipe": RecipeState(data=fresh_loader)})
+    assert [b.tolist() for b in fresh_loader] == rest
+
+
+def test_a_plain_data_loader_is_refused_naming_the_alternatives(tmp_path: Path) -> None:
+    loader: torch.utils.data.DataLoader[int] = torch.utils.data.DataLoader(
+        range(8),  # type: ignore[arg-type]  # a sequence is a map-style dataset
+        batch_size=2,
+    )
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        with pytest.raises(CheckpointSaveError) as info:
+            mgr.save(1, {"recipe": RecipeState(dataloader=loader)}, force=True)
+        with pytest.raises(CheckpointTypeError) as bare:
+            mgr.save(1, {"loader": loader}, force=True)
+    for message in (str(info.value), str(bare.value)):
+        assert "torchdata.stateful_dataloader.StatefulDataLoader" in message
+        assert "record the number of batches consumed" in message
+        assert "seeded sampler" in message
+    assert "at dataloader" in str(info.value)

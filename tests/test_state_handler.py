@@ -500,7 +500,6 @@ def test_unsupported_values_are_refused_at_save_with_their_path(
         pytest.param(lambda: 0, id="lambda"),
         pytest.param(Opaque(), id="custom-object"),
         pytest.param({1, 2}, id="set"),
-        pytest.param(torch.ones(2), id="bare-tensor"),
         pytest.param(3, id="int"),
     ],
 )

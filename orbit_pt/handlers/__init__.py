@@ -10,11 +10,13 @@ from typing import Any
 
 import torch
 
+from orbit_pt._format.sharding import is_dtensor
 from orbit_pt.errors import CheckpointTypeError
+from orbit_pt.handlers._codec import has_state_dict, loader_hint
 from orbit_pt.handlers.base import Handler, HandlerContext
 from orbit_pt.handlers.model import ModelHandler
 from orbit_pt.handlers.optimizer import OptimizerHandler
-from orbit_pt.handlers.state import StateHandler, has_state_dict
+from orbit_pt.handlers.state import StateHandler
 
 __all__ = [
     "Handler",
@@ -28,17 +30,31 @@ __all__ = [
 
 
 def default_handler(item: Any, *, item_name: str) -> Handler:
-    """The handler orbit_pt uses for ``item`` when none was configured for ``item_name``."""
+    """The handler orbit_pt uses for ``item`` when none was configured for ``item_name``.
+
+    A bare tensor (``{"step": torch.tensor(5)}``) is an item like a dict of tensors: the state
+    handler saves it, restores it in place into a target tensor of the same shape and dtype,
+    and returns it as a tensor when restored without a target.
+    """
     if isinstance(item, torch.nn.Module):
         return ModelHandler()
     if isinstance(item, torch.optim.Optimizer):
         return OptimizerHandler()
-    if has_state_dict(item) or isinstance(item, (dict, list, tuple)):
+    if is_dtensor(item):
+        raise CheckpointTypeError(
+            f"item {item_name!r} is a DTensor, which has no default handler: save it inside "
+            "its module (the model handler writes sharded tensors), or save item.full_tensor()"
+        )
+    if has_state_dict(item) or isinstance(item, (torch.Tensor, dict, list, tuple)):
         return StateHandler()
+    hint = loader_hint(item)
     raise CheckpointTypeError(
-        f"item {item_name!r} is a {type(item).__name__}, which has no default handler: give it "
-        "state_dict()/load_state_dict(), pass a dict, or configure one with "
-        f"CheckpointManager(..., handlers={{{item_name!r}: YourHandler()}})"
+        f"item {item_name!r} is a {type(item).__name__}, which has no default handler: "
+        + (
+            hint
+            or "give it state_dict()/load_state_dict(), pass a dict, or configure one with "
+            f"CheckpointManager(..., handlers={{{item_name!r}: YourHandler()}})"
+        )
     )
 
 

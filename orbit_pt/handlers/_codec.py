@@ -95,10 +95,38 @@ def encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
         return msgpack.ExtType(_EXT_DTYPE, torch_dtype_name(value).encode())
     if type(value).__module__ == "numpy":
         return _encode_numpy(value, path, tensors)
+    hint = loader_hint(value)
     raise CheckpointTypeError(
         f"the value at {path or '<root>'} is a {type(value).__module__}.{type(value).__name__}, "
-        "which orbit_pt cannot store without pickle; give it a state_dict() of tensors, numbers, "
-        "strings and containers, or convert it before saving"
+        "which orbit_pt cannot store without pickle; "
+        + (
+            hint
+            or "give it a state_dict() of tensors, numbers, strings and containers, or convert "
+            "it before saving"
+        )
+    )
+
+
+def loader_hint(value: Any) -> str:
+    """What to do instead of saving ``value``, when it is a plain DataLoader or its iterator."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    if not isinstance(value, (DataLoader, _BaseDataLoaderIter)) or has_state_dict(value):
+        return ""
+    return (
+        "a torch.utils.data.DataLoader has no state to save. Use "
+        "torchdata.stateful_dataloader.StatefulDataLoader (a drop-in replacement with "
+        "state_dict()/load_state_dict()), or keep the loader out of the checkpoint: record the "
+        "number of batches consumed in the recipe and skip that many after resume, with a "
+        "seeded sampler (docs/handlers.md, 'Data loaders')"
+    )
+
+
+def has_state_dict(obj: Any) -> bool:
+    """Whether ``obj`` is stateful: it has both ``state_dict()`` and ``load_state_dict()``."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
     )
 
 

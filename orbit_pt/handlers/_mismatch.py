@@ -42,3 +42,17 @@ def load_state_dict(target: Any, state: Mapping[Any, Any], directory: Path) -> N
             f"{type(target).__name__}.load_state_dict rejected the state saved in "
             f"{directory}: {exc}"
         ) from exc
+
+
+def class_name(cls: type) -> str:
+    """The qualified name recorded for a class: ``torch.optim.adamw.AdamW``."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def same_class(saved: str, live: type) -> bool:
+    """Whether the class recorded as ``saved`` (by :func:`class_name`) is ``live``.
+
+    Compared by the qualified name within the module: a class that moved between modules (a
+    library reorganised, a script run as ``__main__`` and later imported) is the same class.
+    """
+    return saved == class_name(live) or saved.endswith(f".{live.__qualname__}")

@@ -18,6 +18,11 @@ Under torch.distributed with FSDP2 (DTensor parameters sharded on dim 0) every r
 rows of its own local shard into the same files (see :mod:`orbit_pt._format.sharding` and
 docs/fsdp.md); the folder is byte for byte the one a single process writes. A restore reads only
 the rows each rank holds, whatever the number of ranks that saved.
+
+The concepts around the folder live in their own modules: names without wrapper parts
+(:mod:`._wrappers`), tied weights (:mod:`._ties`), ``config.json`` only when the weights fit it
+(:mod:`._hf_config`), restoring into a meta-device model (:mod:`._materialize`) and PEFT
+adapters in PEFT's own format (:mod:`._peft`). See docs/models.md.
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ import logging
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,19 +57,30 @@ from orbit_pt._format.sharding import (
 )
 from orbit_pt._format.staging import StagingPool
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
+from orbit_pt.handlers import _peft
+from orbit_pt.handlers._hf_config import CONFIG_FILE as CONFIG_FILE
+from orbit_pt.handlers._hf_config import GENERATION_CONFIG_FILE, model_documents
+from orbit_pt.handlers._materialize import (
+    check_materializable,
+    is_meta,
+    materialize,
+    target_device,
+)
 from orbit_pt.handlers._mismatch import raise_mismatches
+from orbit_pt.handlers._ties import kept_name as kept_name
+from orbit_pt.handlers._ties import parameter_names as parameter_names
+from orbit_pt.handlers._ties import tie_groups
+from orbit_pt.handlers._wrappers import canonical_name as canonical_name
+from orbit_pt.handlers._wrappers import canonical_state as canonical_state
+from orbit_pt.handlers._wrappers import unwrap as unwrap
+from orbit_pt.handlers._wrappers import wrapper_hint
 from orbit_pt.handlers.base import HandlerContext
 
 logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-# Module names that wrappers insert into state-dict keys: torch.compile, activation
-# checkpointing and FSDP1. The checkpoint must not depend on how the model was wrapped.
-_WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 _SIZE_UNITS = {
     "GIB": 2**30,
     "MIB": 2**20,
@@ -163,124 +179,30 @@ def parse_size(value: int | str) -> int:
     return number
 
 
-# ------------------------------------------------------------------------- names and tied weights
-
-
-def canonical_name(key: str) -> str:
-    """``key`` without the parts wrappers add (``_orig_mod.``, ``_checkpoint_wrapped_module.``)."""
-    return ".".join(part for part in key.split(".") if part not in _WRAPPER_PARTS)
-
-
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The module inside ``torch.compile``'s wrapper (the one holding ``config`` and ties)."""
-    inner = getattr(module, "_orig_mod", None)
-    return inner if isinstance(inner, torch.nn.Module) else module
-
-
-def canonical_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` under canonical names; the tensors share storage with the module."""
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in module.state_dict().items():
-        name = canonical_name(key)
-        if name in out:
-            raise CheckpointValueError(
-                f"state-dict keys {key!r} and another key both become {name!r} once wrapper "
-                "prefixes are removed; rename one of the submodules"
-            )
-        out[name] = tensor
-    return out
-
-
-def tie_groups(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
-    """Names grouped by the tensor they are (same memory, shape, strides and dtype), in order."""
-    groups: dict[tuple[Any, ...], list[str]] = {}
-    for name, tensor in state.items():
-        key: tuple[Any, ...]
-        if is_dtensor(tensor):
-            # Global facts plus the local shard's storage: the same grouping on every rank,
-            # including ranks whose shard has no rows (FSDP2 keeps those in padded storage).
-            local = tensor.to_local()  # type: ignore[attr-defined]
-            storage = local.untyped_storage().data_ptr()
-            key = (
-                ("dtensor", storage, local.storage_offset(), tuple(tensor.shape), tensor.dtype)
-                if storage
-                else (name,)
-            )
-        elif tensor.numel() == 0 or tensor.device.type == "meta":
-            key = (name,)  # nothing to share; never group these
-        else:
-            key = (
-                tensor.device,
-                tensor.data_ptr(),
-                tuple(tensor.shape),
-                tensor.stride(),
-                tensor.dtype,
-            )
-        groups.setdefault(key, []).append(name)
-    return list(groups.values())
-
-
-def kept_name(group: Sequence[str], module: torch.nn.Module) -> str:
-    """The name a tied group is saved under: the one transformers keeps.
-
-    transformers lists the names it drops (``lm_head.weight`` when embeddings are tied) in
-    ``_tied_weights_keys``; we keep the first name of the group that is not listed, which for
-    any other module is the first in state-dict (registration) order.
-    """
-    dropped = _tied_keys(module)
-    for name in group:
-        if not any(_matches(pattern, name) for pattern in dropped):
-            return name
-    return group[0]
-
-
-def parameter_names(module: torch.nn.Module) -> dict[int, str]:
-    """``id(parameter)`` -> the canonical name the parameter is saved under.
-
-    A parameter reachable under several names (tied weights) gets the name the model handler
-    keeps, so optimizer state and model weights always agree on names.
-    """
-    by_param: dict[int, list[str]] = {}
-    for key, param in module.named_parameters(remove_duplicate=False):
-        by_param.setdefault(id(param), []).append(canonical_name(key))
-    return {pid: kept_name(names, module) for pid, names in by_param.items()}
-
-
-def _tied_keys(module: torch.nn.Module) -> list[str]:
-    inner = unwrap(module)
-    keys = getattr(inner, "all_tied_weights_keys", None) or getattr(
-        inner, "_tied_weights_keys", None
-    )
-    if isinstance(keys, Mapping):
-        return [str(k) for k in keys]
-    if isinstance(keys, (list, tuple, set, frozenset)):
-        return [str(k) for k in keys]
-    return []
-
-
-def _matches(pattern: str, name: str) -> bool:
-    if pattern == name:
-        return True
-    try:  # transformers 4.x lists some tied keys as regular expressions
-        return re.fullmatch(pattern, name) is not None
-    except re.error:
-        return False
-
-
 # --------------------------------------------------------------------------------- the handler
 
 
 @dataclass(frozen=True)
 class _StagedModel:
-    """What a save writes: this rank's pieces by saved name, tied name -> kept name, JSON files."""
+    """What a save writes: this rank's pieces by saved name, tied name -> kept name, JSON files.
+
+    For a PEFT model, ``adapters`` holds each adapter's config (its tensors are in ``tensors``,
+    named ``[subfolder/]key``) and ``tied``/``documents`` are empty.
+    """
 
     tensors: dict[str, Piece]
     tied: dict[str, str]
     documents: dict[str, Any]
+    adapters: tuple[_peft.AdapterPart, ...] = ()
 
 
 class ModelHandler:
     """Default handler for ``torch.nn.Module``: a Hugging Face model folder.
+
+    Wrappers (DDP, DataParallel, ``torch.compile``, activation checkpointing, FSDP1) leave no
+    trace in the names; a ``peft.PeftModel`` is saved as its adapters in PEFT's own format; a
+    module on the meta device is materialised before a restore reads into it. See
+    docs/models.md.
 
     Args:
         max_shard_size: the most tensor bytes per safetensors file, as an int or a string like
@@ -288,11 +210,14 @@ class ModelHandler:
         export_dtype: a floating dtype (e.g. ``torch.bfloat16``) that floating tensors are cast
             to when saved. On restore, floating tensors are cast back to the target's dtype
             (with a warning: a resume from a lower precision is not exact).
-        config: a ``config.json`` document to write, overriding the module's own ``config``.
+        config: a ``config.json`` document to write, overriding the module's own ``config``
+            (written as given, without the check that the weights fit it).
         extra_files: more files for the folder (tokenizer files, a README), as
             ``{file name: bytes or path to copy}``.
         strict: on restore, whether every key of the module must be in the checkpoint and
             every tensor of the checkpoint in the module. Shapes must match either way.
+        device: where a restore materialises a module built on the meta device. None: the
+            device of the module's other tensors, else its FSDP2 mesh's device, else the CPU.
 
     With ``async_save``, :meth:`stage` copies the weights into host buffers that are reused from
     one save to the next, and :meth:`save` writes that copy on the background thread.
@@ -308,6 +233,7 @@ class ModelHandler:
         config: Mapping[str, Any] | None = None,
         extra_files: Mapping[str, bytes | str | os.PathLike[str]] | None = None,
         strict: bool = True,
+        device: torch.device | str | None = None,
     ) -> None:
         self.max_shard_size = None if max_shard_size is None else parse_size(max_shard_size)
         if export_dtype is not None and (
@@ -329,7 +255,14 @@ class ModelHandler:
         for filename in self.extra_files:
             _check_extra_name(filename)
         self.strict = strict
+        try:
+            self.device = None if device is None else torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise CheckpointValueError(
+                f"device must be a torch.device or a string like 'cpu' or 'cuda:0', got {device!r}"
+            ) from exc
         self._pool = StagingPool()
+        self._announced_adapters = False
 
     # ------------------------------------------------------------------------------------ save
 
@@ -339,8 +272,7 @@ class ModelHandler:
         Under FSDP2 only this rank's local shards are copied (and only the rows it writes).
         """
         staged = self._collect(_check_module(item, "save"), context)
-        tensors = stage_pieces(self._pool, staged.tensors)
-        return _StagedModel(tensors, staged.tied, staged.documents)
+        return replace(staged, tensors=stage_pieces(self._pool, staged.tensors))
 
     def save(self, directory: Path, item: Any, context: HandlerContext) -> Mapping[str, Any]:
         staged = (
@@ -348,6 +280,8 @@ class ModelHandler:
             if isinstance(item, _StagedModel)
             else self._collect(_check_module(item, "save"), context)
         )
+        if staged.adapters:
+            return self._save_adapters(directory, staged, context)
         tensors = staged.tensors
         plan = plan_files(
             [(n, self._file_dtype(p.dtype), p.shape) for n, p in tensors.items()],
@@ -368,18 +302,60 @@ class ModelHandler:
                 (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
             for filename, document in staged.documents.items():
                 _write_json(directory / filename, document, filename)
-            for filename, content in self.extra_files.items():
-                data = content if isinstance(content, bytes) else Path(content).read_bytes()
-                (directory / filename).write_bytes(data)
+            self._write_extra_files(directory)
         return {
             "format_version": 1,
             "tensors": len(tensors),
             "total_size": plan.total_size,
             "files": [f.filename for f in plan.files],
             "tied": staged.tied,
-            "export_dtype": (
-                None if self.export_dtype is None else torch_dtype_name(self.export_dtype)
-            ),
+            "export_dtype": self._export_dtype_name(),
+        }
+
+    def _save_adapters(
+        self, directory: Path, staged: _StagedModel, context: HandlerContext
+    ) -> Mapping[str, Any]:
+        """Each adapter as ``[subfolder/]adapter_model.safetensors`` + ``adapter_config.json``."""
+        files: list[str] = []
+        total = 0
+        for part in staged.adapters:
+            folder = directory / part.folder
+            folder.mkdir(exist_ok=True)
+            prefix = f"{part.folder}/" if part.folder else ""
+            pieces = {
+                name[len(prefix) :]: piece
+                for name, piece in staged.tensors.items()
+                if _peft.folder_of(name) == part.folder
+            }
+            planned = plan_file(
+                _peft.ADAPTER_WEIGHTS,
+                [(k, self._file_dtype(p.dtype), p.shape) for k, p in pieces.items()],
+                HEADER_METADATA,
+            )
+            write_files(
+                folder,
+                [planned],
+                pieces,
+                rank=context.rank,
+                world_size=context.world_size,
+                collective=context.collective,
+                what=f"the adapter in {folder}",
+            )
+            if context.rank == 0:
+                _peft.write_config(folder, part)
+            files.append(prefix + _peft.ADAPTER_WEIGHTS)
+            total += planned.data_size
+        if context.rank == 0:
+            self._write_extra_files(directory)
+        return {
+            "format_version": 1,
+            "format": "peft",
+            "adapters": [part.folder for part in staged.adapters],
+            "tensors": len(staged.tensors),
+            "total_size": total,
+            "files": files,
+            "tied": {},
+            "export_dtype": self._export_dtype_name(),
         }
 
     def _collect(self, module: torch.nn.Module, context: HandlerContext) -> _StagedModel:
@@ -388,6 +364,9 @@ class ModelHandler:
         Collective when a DTensor must be gathered (a layout that is not FSDP2's row blocks):
         every rank collects the same tensors in the same order.
         """
+        peft_model = _peft.peft_model(module)
+        if peft_model is not None:
+            return self._collect_adapters(peft_model, context)
         state = canonical_state(module)
         tensors: dict[str, Piece] = {}
         tied: dict[str, str] = {}
@@ -396,30 +375,61 @@ class ModelHandler:
             _check_savable(keep, state[keep])
             tensors[keep] = piece_of(keep, state[keep], rank=context.rank)
             tied.update({name: keep for name in group if name != keep})
-        return _StagedModel(tensors, tied, self._documents(module))
+        documents = (
+            self._documents(module, state, frozenset(tensors), context.step)
+            if context.rank == 0  # the only rank that writes them
+            else {}
+        )
+        return _StagedModel(tensors, tied, documents)
+
+    def _collect_adapters(self, model: Any, context: HandlerContext) -> _StagedModel:
+        parts = _peft.adapter_parts(model)
+        tensors: dict[str, Piece] = {}
+        for part in parts:
+            for key, tensor in part.tensors.items():
+                name = _peft.saved_name(part.folder, key)
+                _check_savable(name, tensor)
+                tensors[name] = piece_of(name, tensor, rank=context.rank)
+        if context.rank == 0 and not self._announced_adapters:
+            self._announced_adapters = True
+            bases = sorted({str(part.config.base_model_name_or_path) for part in parts})
+            logger.info(
+                "step %d: saving the PEFT model as its adapter(s) %s only, in PEFT's format; "
+                "the frozen base is not in the checkpoint (adapter_config.json names it: "
+                "base_model_name_or_path=%s): keep it where it is",
+                context.step,
+                [part.folder or _peft.DEFAULT_ADAPTER for part in parts],
+                bases,
+            )
+        adapters = tuple(replace(part, tensors={}) for part in parts)  # drop the live tensors
+        return _StagedModel(tensors, {}, {}, adapters)
 
     def _file_dtype(self, dtype: torch.dtype) -> torch.dtype:
         if self.export_dtype is not None and dtype.is_floating_point:
             return self.export_dtype
         return dtype
 
-    def _documents(self, module: torch.nn.Module) -> dict[str, Any]:
+    def _export_dtype_name(self) -> str | None:
+        return None if self.export_dtype is None else torch_dtype_name(self.export_dtype)
+
+    def _write_extra_files(self, directory: Path) -> None:
+        for filename, content in self.extra_files.items():
+            data = content if isinstance(content, bytes) else Path(content).read_bytes()
+            (directory / filename).write_bytes(data)
+
+    def _documents(
+        self,
+        module: torch.nn.Module,
+        state: Mapping[str, torch.Tensor],
+        saved: frozenset[str],
+        step: int,
+    ) -> dict[str, Any]:
         """``config.json`` and ``generation_config.json`` contents, by file name."""
-        inner = unwrap(module)
-        documents: dict[str, Any] = {}
-        if self.config is not None:
-            documents[CONFIG_FILE] = self.config
-        else:
-            config = getattr(inner, "config", None)
-            if callable(getattr(config, "to_dict", None)):
-                document = dict(config.to_dict())  # type: ignore[union-attr]
-                # What save_pretrained records, so from_pretrained picks the class and dtype.
-                if not document.get("architectures"):
-                    document["architectures"] = [type(inner).__name__]
-                dtype_key = "torch_dtype" if "torch_dtype" in document else "dtype"
-                document[dtype_key] = torch_dtype_name(self.export_dtype or _float_dtype(inner))
-                documents[CONFIG_FILE] = document
-        generation = getattr(inner, "generation_config", None)
+        dtype = self.export_dtype or _float_dtype(module)
+        if self.config is None:
+            return model_documents(module, state=state, saved=saved, dtype=dtype, step=step)
+        documents: dict[str, Any] = {CONFIG_FILE: self.config}
+        generation = getattr(unwrap(module), "generation_config", None)
         if callable(getattr(generation, "to_dict", None)):
             documents[GENERATION_CONFIG_FILE] = generation.to_dict()  # type: ignore[union-attr]
         return documents
@@ -427,12 +437,66 @@ class ModelHandler:
     # --------------------------------------------------------------------------------- restore
 
     def restore(self, directory: Path, target: Any | None, context: HandlerContext) -> Any:
+        if _peft.adapter_folders(directory) and not _has_model_files(directory):
+            return self._restore_adapters(directory, target)
         readers = open_model_folder(directory)
         if target is None:
             return {name: reader.read(name) for name, reader in readers.items()}
         module = _check_module(target, "restore")
-        state = canonical_state(module)
-        loads, casts = self._plan_restore(directory, state, readers)
+        meta = any(is_meta(t) for t in (*module.parameters(), *module.buffers()))
+        state = canonical_state(module, keep_vars=meta)
+        loads, casts = self._plan_restore(directory, state, readers)  # refuse before changing
+        if meta:
+            self._materialize(module, directory, state, {name for name, _ in loads})
+            loads, casts = self._plan_restore(directory, canonical_state(module), readers)
+        self._read(directory, loads, casts, readers)
+        return module
+
+    def _restore_adapters(self, directory: Path, target: Any | None) -> Any:
+        """PEFT adapters: only their weights, in place, into the live PeftModel's adapters."""
+        saved = _peft.open_adapter_folders(directory)
+        if target is None:
+            return {
+                _peft.saved_name(folder, key): reader.read(key)
+                for folder, readers in saved.items()
+                for key, reader in readers.items()
+            }
+        module = _check_module(target, "restore")
+        peft_model = _peft.peft_model(module)
+        if peft_model is None:
+            raise CheckpointTypeError(
+                f"{directory} holds PEFT adapter(s) (adapter-only: the frozen base is not in "
+                f"it), and the target is a plain {type(unwrap(module)).__name__}; build the base "
+                "model, wrap it with peft.get_peft_model(base, config) and restore into that "
+                f"PeftModel, or load it with peft.PeftModel.from_pretrained(base, "
+                f"{str(directory)!r})"
+            )
+        targets = _peft.restore_targets(peft_model, {f: list(r) for f, r in saved.items()})
+        extra = sorted(set(saved) - set(targets))
+        if extra and self.strict:
+            raise_mismatches(
+                [f"unexpected adapter (not in the model): {folder}" for folder in extra],
+                f"the adapters saved in {directory} do not fit the PeftModel being restored; "
+                "nothing was loaded",
+                fix="Add those adapters to the model (model.add_adapter(name, config)) first, "
+                "or restore with ModelHandler(strict=False) to skip them.",
+            )
+        plans = [  # every adapter planned before any is read: all or nothing
+            (folder, *self._plan_restore(directory / folder, state, saved.get(folder, {})))
+            for folder, state in targets.items()
+        ]
+        for folder, loads, casts in plans:
+            self._read(directory / folder, loads, casts, saved.get(folder, {}))
+        return module
+
+    def _read(
+        self,
+        directory: Path,
+        loads: Sequence[tuple[str, torch.Tensor]],
+        casts: Sequence[str],
+        readers: Mapping[str, SafetensorsReader],
+    ) -> None:
+        """Read each planned tensor into the live one (a DTensor: only this rank's rows)."""
         if casts:
             logger.warning(
                 "restoring %d tensor(s) of %s with a cast between floating dtypes (e.g. %s); "
@@ -449,7 +513,41 @@ class ModelHandler:
                     read_local(readers[name], name, tensor, out=tensor.to_local())  # type: ignore[attr-defined]
                 else:
                     readers[name].read_into(name, tensor)
-        return module
+
+    def _materialize(
+        self,
+        module: torch.nn.Module,
+        directory: Path,
+        state: Mapping[str, torch.Tensor],
+        loaded: Iterable[str],
+    ) -> None:
+        """Give a meta-device module memory, once sure the checkpoint fills all of it."""
+        loaded = set(loaded)
+        unfilled = [
+            name
+            for group in tie_groups(state)
+            if not loaded.intersection(group)
+            for name in group
+            if is_meta(state[name])
+        ]
+        what = f"restoring {directory}"
+        if unfilled:
+            raise CheckpointValueError(
+                f"{what}: the module is on the meta device and the checkpoint has no values for "
+                f"{len(unfilled)} of its tensors (e.g. {unfilled[:5]}), which would be left "
+                "with no data; nothing was loaded. Restore with strict=True into the module the "
+                "step was saved from, or materialise and initialise the module yourself first"
+            )
+        transient = check_materializable(module, what)
+        device = target_device(module, self.device)
+        logger.info(
+            "%s: the module is on the meta device; materialising it on %s, then reading the "
+            "checkpoint into it (%d non-persistent buffer(s) recomputed)",
+            what,
+            device,
+            len(transient),
+        )
+        materialize(module, device, transient, what)
 
     def _plan_restore(
         self,
@@ -492,12 +590,14 @@ class ModelHandler:
         if self.strict:
             problems += [f"missing from the checkpoint: {name}" for name in missing]
             problems += [f"unexpected (not in the model): {name}" for name in unexpected]
+        hint = wrapper_hint(missing, unexpected)
         raise_mismatches(
             problems,
             f"the model saved in {directory} does not fit the module being restored "
             f"({len(mismatched)} mismatched, {len(missing)} missing, {len(unexpected)} "
             "unexpected key(s)); nothing was loaded",
-            fix="Build the module with the config it was saved with, or restore with "
+            fix=hint
+            or "Build the module with the config it was saved with, or restore with "
             "ModelHandler(strict=False) to skip missing and unexpected keys.",
         )
         return loads, casts
@@ -512,10 +612,15 @@ def open_model_folder(directory: Path) -> dict[str, SafetensorsReader]:
     Reads ``model.safetensors.index.json`` when present, else ``model.safetensors``. The index
     and the shards must agree exactly: a tensor listed in the index but absent from its file, or
     present in a file but not listed, is a damaged folder rather than a partial load.
+
+    A folder of PEFT adapters gives the default adapter's tensors under PEFT's keys (empty if
+    there is none); every adapter's file is checked (see :func:`._peft.open_adapter_folders`).
     """
     index_path = directory / INDEX_FILE
     single_path = directory / SINGLE_FILE
     if not index_path.exists():
+        if not single_path.exists() and _peft.adapter_folders(directory):
+            return _peft.open_adapter_folders(directory).get("", {})
         if not single_path.exists():
             raise CorruptCheckpointError(
                 f"{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}; it is not a model "
@@ -577,6 +682,10 @@ def _bad_index(path: Path, reason: str) -> CorruptCheckpointError:
 
 
 # ------------------------------------------------------------------------------------- helpers
+
+
+def _has_model_files(directory: Path) -> bool:
+    return (directory / SINGLE_FILE).exists() or (directory / INDEX_FILE).exists()
 
 
 def _check_module(item: Any, action: str) -> torch.nn.Module:

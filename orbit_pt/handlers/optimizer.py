@@ -4,16 +4,17 @@
 param groups, which changes whenever the model is built, wrapped or grouped differently. This
 handler replaces each position with the parameter's canonical name in the model (the same name
 the model handler saves its weight under), so a checkpoint survives a change in parameter
-order, ``torch.compile`` or activation checkpointing.
+order, ``torch.compile``, activation checkpointing, or a different split into param groups.
 
 On disk (in the item's folder):
 
 - ``optimizer.safetensors``: every state tensor, named ``<parameter name>/<state key>``
   (``model.layers.0.mlp.weight/exp_avg``); tensors inside param groups (a tensor ``lr``) are
   named ``param_groups/<i>/<key>``;
-- ``optimizer.msgpack``: ``{"format_version", "state", "param_groups", "param_shapes"}`` in the
-  msgpack encoding the state handler uses (``handlers._codec``), with parameter names in each
-  group's ``params``.
+- ``optimizer.msgpack``: ``{"format_version", "optimizer_class", "state", "param_groups",
+  "param_shapes"}`` in the msgpack encoding the state handler uses (``handlers._codec``), with
+  parameter names in each group's ``params``. ``optimizer_class`` (``torch.optim.adamw.AdamW``)
+  is absent from steps written before it was recorded; their class is not checked.
 
 Under FSDP2 the state tensors that follow their parameter's sharding (``exp_avg``,
 ``exp_avg_sq``, ``momentum_buffer``: DTensors) are written by every rank as its own rows of
@@ -29,10 +30,11 @@ changes the optimizer being saved (Adam's ``step`` becomes 1).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -55,13 +57,19 @@ from orbit_pt.handlers._codec import (
     pack,
     read_structure,
 )
-from orbit_pt.handlers._mismatch import load_state_dict, raise_mismatches
+from orbit_pt.handlers._mismatch import class_name, load_state_dict
+from orbit_pt.handlers._optimizer_fit import Fit, fit, names_listed
 from orbit_pt.handlers.base import HandlerContext
 from orbit_pt.handlers.model import parameter_names
+
+logger = logging.getLogger(__name__)
 
 STRUCTURE_FILE = "optimizer.msgpack"
 TENSORS_FILE = "optimizer.safetensors"
 _FORMAT_VERSION = 1
+
+Hyperparameters = Literal["auto", "live", "saved"]
+_HYPERPARAMETERS = ("auto", "live", "saved")
 
 
 @dataclass(frozen=True)
@@ -80,9 +88,25 @@ class OptimizerHandler:
     ``save``/``restore`` call: the only ``nn.Module`` among them, or the item named
     ``model_item``.
 
+    A restore checks, before anything is changed, that the optimizer is of the class that saved
+    the state and keeps the same state per parameter (``exp_avg``, ``max_exp_avg_sq``, ...);
+    then it loads the state by parameter name into whatever param groups the optimizer has
+    (the saved ones split, merged or reordered).
+
     Args:
         model_item: the item holding the model whose parameters the optimizer updates. Needed
             only when the items hold several modules (or the model is not itself an item).
+        strict: with True, the optimizer must update exactly the parameters that were saved;
+            with False, it may update a subset or superset of them (frozen embeddings, an added
+            head): the parameters both have are restored, the optimizer's others keep their
+            current state, and both kinds are named in one warning.
+        hyperparameters: whose param-group hyperparameters (``lr``, ``weight_decay``,
+            ``initial_lr``, ...) the optimizer has after a restore. ``"saved"``: the
+            checkpoint's, each optimizer group taking those of the saved group with the same
+            parameters (an error when the groups do not correspond one to one); ``"live"``: the
+            optimizer's own, untouched; ``"auto"`` (default): the checkpoint's when the groups
+            correspond one to one -- so a resumed run continues its LR schedule exactly, as with
+            ``Optimizer.load_state_dict`` -- otherwise the optimizer's own, logged.
 
     With ``async_save``, :meth:`stage` names and encodes the state and copies its tensors into
     reused host buffers; :meth:`save` writes that copy on the background thread.
@@ -90,12 +114,27 @@ class OptimizerHandler:
 
     name = "optimizer"
 
-    def __init__(self, *, model_item: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        model_item: str | None = None,
+        strict: bool = True,
+        hyperparameters: Hyperparameters = "auto",
+    ) -> None:
         if model_item is not None and (not isinstance(model_item, str) or not model_item):
             raise CheckpointValueError(
                 f"model_item must be the name of an item, got {model_item!r}"
             )
+        if not isinstance(strict, bool):
+            raise CheckpointTypeError(f"strict must be True or False, got {strict!r}")
+        if hyperparameters not in _HYPERPARAMETERS:
+            raise CheckpointValueError(
+                f"hyperparameters must be one of {_HYPERPARAMETERS}, got {hyperparameters!r}; "
+                "'live' keeps the optimizer's own, 'saved' takes the checkpoint's"
+            )
         self.model_item = model_item
+        self.strict = strict
+        self.hyperparameters: Hyperparameters = hyperparameters
         self._pool = StagingPool()
 
     def stage(self, item: Any, context: HandlerContext) -> _StagedOptimizer:
@@ -140,6 +179,7 @@ class OptimizerHandler:
         tensors: dict[str, torch.Tensor] = {}
         structure = {
             "format_version": _FORMAT_VERSION,
+            "optimizer_class": class_name(type(optimizer)),
             "state": encode(state, "", tensors),
             "param_groups": encode(groups, "param_groups", tensors),
             "param_shapes": shapes,
@@ -147,6 +187,8 @@ class OptimizerHandler:
         info = {
             "format_version": _FORMAT_VERSION,
             "optimizer": type(optimizer).__name__,
+            "optimizer_class": class_name(type(optimizer)),
+            "state_keys": sorted({str(k) for per_param in state.values() for k in per_param}),
             "parameters": len(names),
             "tensors": len(tensors),
         }
@@ -166,33 +208,41 @@ class OptimizerHandler:
             }
         optimizer = _check_optimizer(target, "restore")
         names = self._names(optimizer, context, "restore")
-        problems = _mismatches(structure, optimizer, names)
-        raise_mismatches(
-            problems,
-            f"the optimizer state saved in {directory} does not fit the optimizer being "
-            f"restored ({len(problems)} problem(s)); nothing was loaded",
+        # Every check happens here, before the first tensor is read into the optimizer.
+        plan = fit(
+            structure,
+            optimizer,
+            names,
+            strict=self.strict,
+            hyperparameters=self.hyperparameters,
+            item=_item_name(context, optimizer),
+            directory=directory,
         )
-        position = {name: index for index, name in enumerate(names)}
-        start = 0
+        _log_plan(plan, context.step, directory)
+        params = _params(optimizer)
+        saved_state = structure["state"]
+        state: dict[int, Any] = {}
+        for position, (name, param) in enumerate(zip(names, params, strict=True)):
+            current = optimizer.state.get(param, {})
+            if name in saved_state:
+                state[position] = _materialize_like(saved_state[name], reader, param, current)
+            elif name in plan.missing and current:
+                state[position] = current  # not in the checkpoint: left as it is
+        live_groups = list(optimizer.param_groups)
         groups = []
-        for saved_group, group in zip(
-            structure["param_groups"], optimizer.param_groups, strict=True
-        ):
-            # Positions in the *current* order: torch pairs saved and current params by them.
+        start = 0
+        # Positions in the *current* order: torch pairs the state's and the live params by them.
+        for group, saved_group in zip(live_groups, plan.hyperparameters, strict=True):
             count = len(group["params"])
-            hyper = {k: v for k, v in saved_group.items() if k != "params"}
-            groups.append(
-                {**materialize(hyper, reader), "params": list(range(start, start + count))}
-            )
+            hyper = _hyper(group) if saved_group is None else materialize(saved_group, reader)
+            groups.append({**hyper, "params": list(range(start, start + count))})
             start += count
-        params = dict(zip(names, _params(optimizer), strict=True))
-        state = {
-            position[name]: _materialize_like(
-                value, reader, params[name], optimizer.state.get(params[name], {})
-            )
-            for name, value in structure["state"].items()
-        }
         load_state_dict(optimizer, {"state": state, "param_groups": groups}, directory)
+        if all(saved_group is None for saved_group in plan.hyperparameters):
+            # The live hyperparameters, as the very objects the optimizer had: load_state_dict
+            # deep-copies groups, which would give a tensor lr (or any value held elsewhere,
+            # such as by a compiled step) a new identity.
+            optimizer.param_groups[:] = live_groups
         return optimizer
 
     def _names(
@@ -251,6 +301,41 @@ class OptimizerHandler:
             "configure CheckpointManager(..., handlers={'optimizer': "
             "OptimizerHandler(model_item='model')})"
         )
+
+
+def _log_plan(plan: Fit, step: int, directory: Path) -> None:
+    if plan.missing or plan.unexpected:
+        logger.warning(
+            "step %d, %s: restored the optimizer state of the parameters the checkpoint and the "
+            "optimizer share (strict=False); %d optimizer parameter(s) have no saved state and "
+            "keep their current state: %s; %d saved parameter(s) are not in the optimizer and "
+            "were skipped: %s",
+            step,
+            directory,
+            len(plan.missing),
+            names_listed(plan.missing),
+            len(plan.unexpected),
+            names_listed(plan.unexpected),
+        )
+    if plan.kept_live_because:
+        logger.info(
+            "step %d, %s: the optimizer's param groups do not correspond one to one to the "
+            "checkpoint's (%s), so the optimizer keeps its own hyperparameters; pass "
+            "OptimizerHandler(hyperparameters='live') to always keep them",
+            step,
+            directory,
+            plan.kept_live_because,
+        )
+
+
+def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A live param group's hyperparameters: everything but its parameters."""
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _item_name(context: HandlerContext, optimizer: torch.optim.Optimizer) -> str:
+    """The name the optimizer has among the items (for messages), "optimizer" if none."""
+    return next((name for name, v in context.items.items() if v is optimizer), "optimizer")
 
 
 def _materialize_like(
@@ -321,39 +406,3 @@ def _check_optimizer(item: Any, action: str) -> torch.optim.Optimizer:
             f"OptimizerHandler can only {action} a torch.optim.Optimizer, got {type(item).__name__}"
         )
     return item
-
-
-def _mismatches(
-    structure: Mapping[str, Any], optimizer: torch.optim.Optimizer, names: list[str]
-) -> list[str]:
-    """Every way the saved state does not fit the live optimizer, as readable lines."""
-    saved_groups = structure["param_groups"]
-    problems: list[str] = []
-    if len(saved_groups) != len(optimizer.param_groups):
-        return [
-            f"the checkpoint has {len(saved_groups)} param group(s), the optimizer "
-            f"{len(optimizer.param_groups)}; build the optimizer with the same groups"
-        ]
-    start = 0
-    for index, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups, strict=True)):
-        current = names[start : start + len(group["params"])]
-        start += len(group["params"])
-        saved_names = list(saved["params"])
-        problems += [
-            f"group {index}: {n} is in the checkpoint but not in the optimizer"
-            for n in saved_names
-            if n not in current
-        ]
-        problems += [
-            f"group {index}: {n} is in the optimizer but not in the checkpoint"
-            for n in current
-            if n not in saved_names
-        ]
-    shapes = structure.get("param_shapes", {})
-    for name, param in zip(names, _params(optimizer), strict=True):
-        if name in shapes and list(param.shape) != list(shapes[name]):
-            problems.append(
-                f"{name}: saved for shape {list(shapes[name])}, the parameter is "
-                f"{list(param.shape)}"
-            )
-    return problems

@@ -27,6 +27,7 @@ from orbit_pt.handlers._codec import (
     TensorRef,
     check_refs,
     encode,
+    has_state_dict,
     join_path,
     materialize,
     pack,
@@ -37,13 +38,6 @@ from orbit_pt.handlers.base import HandlerContext
 
 STRUCTURE_FILE = "state.msgpack"
 TENSORS_FILE = "tensors.safetensors"
-
-
-def has_state_dict(obj: Any) -> bool:
-    """Whether ``obj`` is stateful: it has both ``state_dict()`` and ``load_state_dict()``."""
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    )
 
 
 class StateHandler:
