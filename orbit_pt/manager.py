@@ -297,19 +297,22 @@ class CheckpointManager:
             "orbit_pt.save.plan",
             plan,
             label=f"planning the save of step {step}",
-            share=lambda result: [step, sorted(result[0]), result[1]],
+            # Handler names, not only item names: ranks whose items differ in kind would
+            # otherwise split into an async save on one rank and a sync save on another.
+            share=lambda result: [step, {n: h.name for n, h in result[0].items()}, result[1]],
         )
         steps = [s for s, _, _ in shared]
         names = [n for _, n, _ in shared]
         if len(set(steps)) > 1 or any(n != names[0] for n in names):
             detail = "; ".join(
-                f"rank {rank}: step {s}, items {n}" for rank, (s, n, _) in enumerate(shared)
+                f"rank {rank}: step {s}, items {sorted(n.items())}"
+                for rank, (s, n, _) in enumerate(shared)
             )
             raise CheckpointSaveError(
                 step,
                 self.directory,
                 f"the ranks are saving different steps or items ({detail}); every rank must "
-                "call save() with the same step and item names",
+                "call save() with the same step and the same items (names and kinds)",
             )
         recorded = shared[0][2]
         for rank, (_, _, theirs) in enumerate(shared[1:], start=1):
@@ -329,7 +332,8 @@ class CheckpointManager:
         """Snapshots of every item for a background save, or None to save synchronously.
 
         Agreed: staging fails on every rank if it fails on one (e.g. a pinned-memory
-        allocation), and the save is asynchronous only when every rank could stage it.
+        allocation). Every rank makes the same sync/async choice, because the plan phase
+        agreed on the handlers.
         """
         if not all(isinstance(handler, StagingHandler) for handler in handlers.values()):
             for name, handler in handlers.items():

@@ -61,6 +61,7 @@ _FAULTS: list[tuple[str, int, type[BaseException]]] = [
     ("write", 1, OSError),
     ("write", 0, OSError),
     ("finish", 0, OSError),
+    ("commit", 0, OSError),
     ("write", 1, KeyboardInterrupt),
     ("stage", 1, KeyboardInterrupt),
 ]
@@ -86,12 +87,19 @@ def _faults_at_every_phase(rank: int, world_size: int, root: str, async_save: bo
             if mine and phase == "metric":
                 metrics = {"loss": math.nan}
             original = StepStore._finalize
+            original_supersede = StepStore._supersede_from
             if mine and phase == "finish":
 
                 def broken(self: StepStore, *args: Any, **kwargs: Any) -> Any:
                     raise OSError("fsync of the metadata failed (injected)")
 
                 StepStore._finalize = broken  # type: ignore[method-assign]
+            if mine and phase == "commit":  # after every agreement: rank 0 alone renames
+
+                def no_rename(self: StepStore, *args: Any, **kwargs: Any) -> Any:
+                    raise OSError("rename refused (injected)")
+
+                StepStore._supersede_from = no_rename  # type: ignore[method-assign]
             # An interrupt in the training thread stays an interrupt on its rank; in the background
             # thread (where no signal can land) it is that save's failure.
             interrupted = (
@@ -113,6 +121,7 @@ def _faults_at_every_phase(rank: int, world_size: int, root: str, async_save: bo
                 raise AssertionError(f"rank {rank}: no error for a failure in {phase}")
             finally:
                 StepStore._finalize = original  # type: ignore[method-assign]
+                StepStore._supersede_from = original_supersede  # type: ignore[method-assign]
             assert time.monotonic() - started < 60, f"{phase}: took too long to agree"
             handler.fail_in = None
             # Nothing committed, every rank sees the same steps, the earlier step is intact.
@@ -149,6 +158,11 @@ def _nan_on_one_rank(rank: int, world_size: int, root: str) -> None:
         # Metrics that differ but are finite: rank 0's value is recorded.
         mgr.save(1, {"x": {"v": torch.ones(2)}}, metrics={"loss": 0.5 + rank})
         assert mgr.metadata(1).metrics == {"loss": 0.5}
+        # Items of different kinds on different ranks: refused in the plan, on every rank.
+        item: Any = torch.nn.Linear(2, 2) if rank == 1 else {"v": torch.ones(2)}
+        with pytest.raises(CheckpointSaveError, match="names and kinds"):
+            mgr.save(2, {"x": item})
+        assert mgr.all_steps() == [1]
 
 
 def test_a_nan_metric_on_one_rank_fails_the_save_on_every_rank(tmp_path: Path) -> None:

@@ -242,15 +242,18 @@ class StepStore:
                     self._record(step, meta, superseded)
                 outcome = {"meta": meta.to_json().decode(), "superseded": superseded}
             except BaseException as exc:
+                _fs.remove_tree(tmp)  # the rename did not happen: never leave a half step behind
                 outcome = {"error": _reason(exc)}
                 dist.broadcast(outcome)
                 if not isinstance(exc, Exception):
                     raise
-                raise CheckpointSaveError(step, tmp, _reason(exc)) from exc
+                raise CheckpointSaveError(
+                    step, tmp, f"committing on rank(s) [0]: {_reason(exc)}"
+                ) from exc
         outcome = dist.broadcast(outcome)
         assert outcome is not None
         if "error" in outcome:
-            raise CheckpointSaveError(step, tmp, f"on rank 0: {outcome['error']}")
+            raise CheckpointSaveError(step, tmp, f"committing on rank(s) [0]: {outcome['error']}")
         if not primary:
             meta = StepMetadata.from_json(
                 str(outcome["meta"]).encode(), path=self.step_path(step) / _layout.METADATA_FILE
