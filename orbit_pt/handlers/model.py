@@ -21,7 +21,8 @@ the rows each rank holds, whatever the number of ranks that saved.
 
 The concepts around the folder live in their own modules: names without wrapper parts
 (:mod:`._wrappers`), tied weights (:mod:`._ties`), ``config.json`` only when the weights fit it
-(:mod:`._hf_config`), restoring into a meta-device model (:mod:`._materialize`) and PEFT
+(:mod:`._hf_config`), the Hub layout of transformers models whose experts are fused in memory
+(:mod:`._hub_layout`), restoring into a meta-device model (:mod:`._materialize`) and PEFT
 adapters in PEFT's own format (:mod:`._peft`). See docs/models.md.
 """
 
@@ -33,7 +34,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from orbit_pt._format.sharding import (
     is_dtensor,
     piece_of,
     read_local,
+    row_block,
     stage_pieces,
     write_files,
 )
@@ -60,6 +62,7 @@ from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, CorruptCh
 from orbit_pt.handlers import _peft
 from orbit_pt.handlers._hf_config import CONFIG_FILE as CONFIG_FILE
 from orbit_pt.handlers._hf_config import GENERATION_CONFIG_FILE, model_documents
+from orbit_pt.handlers._hub_layout import HubLayout, hub_layout, hub_pieces
 from orbit_pt.handlers._materialize import (
     check_materializable,
     is_meta,
@@ -368,15 +371,21 @@ class ModelHandler:
         if peft_model is not None:
             return self._collect_adapters(peft_model, context)
         state = canonical_state(module)
-        tensors: dict[str, Piece] = {}
+        kept: dict[str, torch.Tensor] = {}
         tied: dict[str, str] = {}
         for group in tie_groups(state):
             keep = kept_name(group, module)
             _check_savable(keep, state[keep])
-            tensors[keep] = piece_of(keep, state[keep], rank=context.rank)
+            kept[keep] = state[keep]
             tied.update({name: keep for name in group if name != keep})
+        layout = hub_layout(module, kept)
+        if layout is None:
+            tensors = {name: piece_of(name, t, rank=context.rank) for name, t in kept.items()}
+        else:
+            tensors = hub_pieces(layout, kept, rank=context.rank)
+            tied = {name: layout.renamed.get(keep, keep) for name, keep in tied.items()}
         documents = (
-            self._documents(module, state, frozenset(tensors), context.step)
+            self._documents(module, state, frozenset(kept), context.step)
             if context.rank == 0  # the only rank that writes them
             else {}
         )
@@ -445,11 +454,13 @@ class ModelHandler:
         module = _check_module(target, "restore")
         meta = any(is_meta(t) for t in (*module.parameters(), *module.buffers()))
         state = canonical_state(module, keep_vars=meta)
-        loads, casts = self._plan_restore(directory, state, readers)  # refuse before changing
+        layout = _layout_of(module, state)
+        plan = self._plan_restore(directory, state, readers, layout)  # refuse before changing
         if meta:
-            self._materialize(module, directory, state, {name for name, _ in loads})
-            loads, casts = self._plan_restore(directory, canonical_state(module), readers)
-        self._read(directory, loads, casts, readers)
+            self._materialize(module, directory, state, plan.filled)
+            state = canonical_state(module)
+            plan = self._plan_restore(directory, state, readers, layout)
+        self._read(directory, plan, readers, layout)
         return module
 
     def _restore_adapters(self, directory: Path, target: Any | None) -> Any:
@@ -482,37 +493,40 @@ class ModelHandler:
                 "or restore with ModelHandler(strict=False) to skip them.",
             )
         plans = [  # every adapter planned before any is read: all or nothing
-            (folder, *self._plan_restore(directory / folder, state, saved.get(folder, {})))
+            (folder, self._plan_restore(directory / folder, state, saved.get(folder, {}), None))
             for folder, state in targets.items()
         ]
-        for folder, loads, casts in plans:
-            self._read(directory / folder, loads, casts, saved.get(folder, {}))
+        for folder, plan in plans:
+            self._read(directory / folder, plan, saved.get(folder, {}), None)
         return module
 
     def _read(
         self,
         directory: Path,
-        loads: Sequence[tuple[str, torch.Tensor]],
-        casts: Sequence[str],
+        plan: _RestorePlan,
         readers: Mapping[str, SafetensorsReader],
+        layout: HubLayout | None,
     ) -> None:
         """Read each planned tensor into the live one (a DTensor: only this rank's rows)."""
-        if casts:
+        if plan.casts:
             logger.warning(
                 "restoring %d tensor(s) of %s with a cast between floating dtypes (e.g. %s); "
                 "the checkpoint was saved with export_dtype or the model's dtype changed, so "
                 "the restored values are rounded",
-                len(casts),
+                len(plan.casts),
                 directory,
-                casts[0],
+                plan.casts[0],
             )
         with torch.no_grad():
-            for name, tensor in loads:
+            for name, tensor in plan.loads:
                 if is_dtensor(tensor):
                     # Only the rows this rank holds, straight into its local shard.
                     read_local(readers[name], name, tensor, out=tensor.to_local())  # type: ignore[attr-defined]
                 else:
                     readers[name].read_into(name, tensor)
+            if plan.converted:
+                assert layout is not None
+                _read_converted(layout, plan.converted, readers)
 
     def _materialize(
         self,
@@ -554,38 +568,76 @@ class ModelHandler:
         directory: Path,
         state: Mapping[str, torch.Tensor],
         readers: Mapping[str, SafetensorsReader],
-    ) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
-        """What to read into which tensor; every problem is raised at once, before any read."""
+        layout: HubLayout | None,
+    ) -> _RestorePlan:
+        """What to read into which tensor; every problem is raised at once, before any read.
+
+        A tensor is read under its own name when the folder has it (orbit_pt's folders before
+        the Hub layout, and every model whose layout is its state dict); otherwise, for a
+        transformers model, from the Hub tensors its layout says it converts to.
+        """
         missing: list[str] = []
         mismatched: list[str] = []
-        casts: list[str] = []
-        loads: list[tuple[str, torch.Tensor]] = []
-        covered: set[str] = set()
+        plan = _RestorePlan()
+        consumed: set[str] = set()
+
+        def check(
+            file_name: str,
+            entry_shape: tuple[int, ...],
+            entry_dtype: torch.dtype,
+            shape: tuple[int, ...],
+            dtype: torch.dtype,
+        ) -> bool:
+            same_kind = entry_dtype.is_floating_point and dtype.is_floating_point
+            if entry_shape != shape or (entry_dtype != dtype and not same_kind):
+                mismatched.append(
+                    f"{file_name}: checkpoint {torch_dtype_name(entry_dtype)} "
+                    f"{list(entry_shape)}, model {torch_dtype_name(dtype)} {list(shape)}"
+                )
+                return False
+            if entry_dtype != dtype:
+                plan.casts.append(
+                    f"{file_name}: {torch_dtype_name(entry_dtype)} -> {torch_dtype_name(dtype)}"
+                )
+            return True
+
         for group in tie_groups(state):
-            covered.update(group)
             # Any name of a tied group fills all of it: they are one tensor in memory.
             present = [name for name in group if name in readers]
-            if not present:
+            if present:
+                name = present[0]
+                tensor = state[name]
+                entry = readers[name].entries[name]
+                consumed.add(name)
+                if check(name, entry.shape, entry.dtype, tuple(tensor.shape), tensor.dtype):
+                    plan.loads.append((name, tensor))
+                    plan.filled.update(group)
+                continue
+            hub = _hub_source(layout, group, readers)
+            if hub is None:
                 missing.extend(group)
                 continue
-            name = present[0]
-            tensor = state[name]
-            entry = readers[name].entries[name]
-            same_kind = entry.dtype.is_floating_point and tensor.is_floating_point()
-            if tuple(tensor.shape) != entry.shape or (
-                entry.dtype != tensor.dtype and not same_kind
-            ):
-                mismatched.append(
-                    f"{name}: checkpoint {torch_dtype_name(entry.dtype)} {list(entry.shape)}, "
-                    f"model {torch_dtype_name(tensor.dtype)} {list(tensor.shape)}"
+            key, names = hub
+            tensor = state[key]
+            consumed.update(names)
+            assert layout is not None
+            fits = [
+                check(
+                    n,
+                    readers[n].entries[n].shape,
+                    readers[n].entries[n].dtype,
+                    layout.shapes[n],
+                    tensor.dtype,
                 )
-                continue
-            if entry.dtype != tensor.dtype:
-                casts.append(
-                    f"{name}: {torch_dtype_name(entry.dtype)} -> {torch_dtype_name(tensor.dtype)}"
-                )
-            loads.append((name, tensor))
-        unexpected = [name for name in readers if name not in covered]
+                for n in names
+            ]
+            if all(fits):
+                if key in layout.renamed:
+                    plan.loads.append((names[0], tensor))
+                else:
+                    plan.converted.append((key, tensor))
+                plan.filled.update(group)
+        unexpected = [name for name in readers if name not in consumed]
         problems = [f"mismatched {line}" for line in mismatched]
         if self.strict:
             problems += [f"missing from the checkpoint: {name}" for name in missing]
@@ -600,7 +652,83 @@ class ModelHandler:
             or "Build the module with the config it was saved with, or restore with "
             "ModelHandler(strict=False) to skip missing and unexpected keys.",
         )
-        return loads, casts
+        return plan
+
+
+@dataclass
+class _RestorePlan:
+    """What a restore reads: by name into a tensor, or converted from the Hub layout.
+
+    Attributes:
+        loads: (name in the folder, live tensor) read as they are.
+        converted: (in-memory name, live tensor) made from Hub tensors (MoE experts).
+        casts: one line per tensor read with a cast between floating dtypes.
+        filled: the in-memory names that get values (for a meta-device module).
+    """
+
+    loads: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    converted: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    casts: list[str] = field(default_factory=list)
+    filled: set[str] = field(default_factory=set)
+
+
+def _layout_of(module: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> HubLayout | None:
+    """The Hub layout of ``module`` for its saved names (one per tied group), or None."""
+    kept = {
+        kept_name(group, module): state[kept_name(group, module)] for group in tie_groups(state)
+    }
+    return hub_layout(module, kept)
+
+
+def _hub_source(
+    layout: HubLayout | None, group: Sequence[str], readers: Mapping[str, SafetensorsReader]
+) -> tuple[str, list[str]] | None:
+    """(in-memory name, Hub names in the folder) that fill tied ``group``; None if absent."""
+    if layout is None:
+        return None
+    for key in group:
+        if key in layout.renamed or key in layout.rows or key in layout.joint:
+            names = layout.hub_names(key)
+            if names and all(name in readers for name in names):
+                return key, names
+    return None
+
+
+def _read_converted(
+    layout: HubLayout,
+    converted: Sequence[tuple[str, torch.Tensor]],
+    readers: Mapping[str, SafetensorsReader],
+) -> None:
+    """Fill tensors whose Hub tensors convert to them (experts by rows; joint ones whole)."""
+
+    def read(name: str) -> torch.Tensor:
+        return readers[name].read(name)
+
+    joint: dict[str, torch.Tensor] | None = None
+    for key, tensor in converted:
+        block = row_block(tensor) if is_dtensor(tensor) else None
+        if key in layout.rows and (block is not None or not is_dtensor(tensor)):
+            first, count = (block[0], block[1]) if block is not None else (0, tensor.shape[0])
+            if count:
+                out = tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+                out.copy_(layout.rows_from_hub(key, read, first, count))
+            continue
+        if key in layout.rows:
+            full = layout.rows_from_hub(key, read, 0, tensor.shape[0])
+        else:
+            if joint is None:
+                joint = layout.joint_from_hub(read)
+            full = joint[key]
+        if is_dtensor(tensor):
+            from torch.distributed.tensor import distribute_tensor
+
+            dtensor: Any = tensor
+            local = distribute_tensor(
+                full.to(tensor.dtype), dtensor.device_mesh, dtensor.placements, src_data_rank=None
+            ).to_local()
+            dtensor.to_local().copy_(local)
+        else:
+            tensor.copy_(full)
 
 
 # ----------------------------------------------------------------------------- reading a folder
