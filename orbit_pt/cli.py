@@ -5,6 +5,7 @@
     orbit-pt verify ROOT [STEP | --all]        structure and checksums; exit 1 on any problem
     orbit-pt prune ROOT --keep-last-n N ...    apply retention now (takes the root's lock)
     orbit-pt export ROOT STEP OUT [--dtype bf16]   a standalone Hugging Face model folder
+                    [--merge-adapter [--base PATH] [--adapter NAME]]   a PEFT adapter merged
 
 Every command takes ``--json`` (one JSON document on stdout) and ``--help``. Exit codes are
 listed in :data:`EXIT_CODES` and in docs/cli.md; scripts can rely on them.
@@ -423,6 +424,9 @@ def _cmd_export(args: argparse.Namespace) -> tuple[int, Any, str]:
         item=args.item,
         dtype=EXPORT_DTYPES[args.dtype] if args.dtype else None,
         verify=not args.no_verify,
+        merge_adapter=args.merge_adapter,
+        base=args.base,
+        adapter_name=args.adapter,
     )
     doc = {
         "step": result.step,
@@ -432,9 +436,16 @@ def _cmd_export(args: argparse.Namespace) -> tuple[int, Any, str]:
         "tensors": result.tensors,
         "tensor_bytes": result.tensor_bytes,
         "files": list(result.files),
+        "adapter": result.adapter,
+        "base": None if result.base is None else str(result.base),
     }
+    merged = (
+        f" (adapter {result.adapter!r} merged into the base {result.base})"
+        if result.adapter is not None
+        else ""
+    )
     text = (
-        f"exported item {result.item!r} of step {result.step} to {result.out} "
+        f"exported item {result.item!r} of step {result.step}{merged} to {result.out} "
         f"({result.tensors} tensors, {_human(result.tensor_bytes)}"
         f"{', as ' + result.dtype if result.dtype else ''}): {', '.join(result.files)}"
     )
@@ -595,7 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
         "write a step's model as a standalone Hugging Face folder",
         "Write the model item of STEP (weights, index, config.json, tokenizer and other files) "
         "into the new folder OUT, which from_pretrained loads. OUT must not exist or be empty; "
-        "it is written under a temporary name and renamed into place.",
+        "it is written under a temporary name and renamed into place. A PEFT adapter item is "
+        "exported with --merge-adapter: merged into its base model (needs peft).",
     )
     export.add_argument("root", metavar="ROOT", help="the checkpoint root folder")
     export.add_argument("step", metavar="STEP", type=_step, help="the step to export")
@@ -608,6 +620,23 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--item", metavar="NAME", help="the model item (default: the only one)")
     export.add_argument(
         "--no-verify", action="store_true", help="skip checking the item's checksums first"
+    )
+    export.add_argument(
+        "--merge-adapter",
+        action="store_true",
+        help="the item is a PEFT adapter: merge it into its base model (PEFT's "
+        "merge_and_unload) and write the merged model; needs peft and transformers",
+    )
+    export.add_argument(
+        "--base",
+        metavar="PATH",
+        help="with --merge-adapter: the base model's local folder (default: the "
+        "base_model_name_or_path in adapter_config.json; nothing is downloaded)",
+    )
+    export.add_argument(
+        "--adapter",
+        metavar="NAME",
+        help="with --merge-adapter: the adapter to merge (default: 'default', or the only one)",
     )
     export.set_defaults(run=_cmd_export)
     return parser

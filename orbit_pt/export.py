@@ -10,6 +10,12 @@ checkpoint root -- weights, index, ``config.json`` and every other non-tensor fi
 (generation config, tokenizer files) -- optionally casting floating tensors to another dtype, so
 that it can be shipped, or the checkpoint pruned, independently. The folder is written under a
 temporary name beside ``out``, fsynced, and renamed into place: it appears whole or not at all.
+
+A PEFT item holds only an adapter, not a model. With ``merge_adapter=True`` the adapter is merged
+into its base model (the local folder ``adapter_config.json`` names, or ``base``) with PEFT's
+``merge_and_unload``, and the merged model is written as the model handler writes any model:
+
+    export_model("runs/lora/checkpoints", 1000, "exports/lora-1000", merge_adapter=True)
 """
 
 from __future__ import annotations
@@ -34,13 +40,16 @@ from orbit_pt._storage import fs as _fs
 from orbit_pt._storage import layout as _layout
 from orbit_pt._storage import root as _root
 from orbit_pt.errors import (
+    CheckpointError,
     CheckpointValueError,
     CorruptCheckpointError,
     ItemNotFoundError,
     StepAlreadyExistsError,
 )
-from orbit_pt.handlers._peft import ADAPTER_CONFIG
-from orbit_pt.handlers.model import CONFIG_FILE, INDEX_FILE, open_model_folder
+from orbit_pt.handlers import _peft
+from orbit_pt.handlers._hf_config import GENERATION_CONFIG_FILE
+from orbit_pt.handlers.base import HandlerContext
+from orbit_pt.handlers.model import CONFIG_FILE, INDEX_FILE, ModelHandler, open_model_folder
 from orbit_pt.metadata import StepMetadata
 from orbit_pt.verify import verify_step
 
@@ -65,7 +74,10 @@ class ExportResult:
         files: the files written, relative to ``out``.
         tensors: the number of tensors.
         tensor_bytes: the bytes of tensor data written.
-        dtype: the dtype floating tensors were cast to, or None when they were copied as saved.
+        dtype: the dtype floating tensors were cast to, or None when they were copied as saved
+            (for a merged adapter: kept in the dtype the base model loads in).
+        adapter: the PEFT adapter merged into its base, or None when none was.
+        base: the base model folder the adapter was merged into, or None.
     """
 
     step: int
@@ -75,6 +87,8 @@ class ExportResult:
     tensors: int
     tensor_bytes: int
     dtype: str | None
+    adapter: str | None = None
+    base: Path | None = None
 
 
 def export_model(
@@ -85,6 +99,9 @@ def export_model(
     item: str | None = None,
     dtype: torch.dtype | None = None,
     verify: bool = True,
+    merge_adapter: bool = False,
+    base: str | os.PathLike[str] | None = None,
+    adapter_name: str | None = None,
 ) -> ExportResult:
     """Write the model item of ``step`` as a standalone Hugging Face model folder at ``out``.
 
@@ -97,6 +114,12 @@ def export_model(
         dtype: cast floating tensors to this dtype (e.g. ``torch.bfloat16``); ``config.json``
             records it. None copies the weights byte for byte.
         verify: check the item's files (sizes, checksums, headers) before exporting.
+        merge_adapter: the item is a PEFT adapter: load its base model, merge the adapter into
+            it (``merge_and_unload``) and write the merged model. Needs peft and transformers.
+        base: the base model's local folder; by default the ``base_model_name_or_path`` that
+            ``adapter_config.json`` records (never downloaded). Only with ``merge_adapter``.
+        adapter_name: the adapter to merge when the item holds several; by default
+            ``"default"``, or the only one. Only with ``merge_adapter``.
 
     Returns:
         What was written.
@@ -107,9 +130,22 @@ def export_model(
             metadata, a link, ...), or ``verify`` found the item damaged; nothing was written.
         ItemNotFoundError: the step has no model item (or not ``item``).
         StepAlreadyExistsError: ``out`` exists and is not an empty folder.
-        CheckpointValueError: ``dtype`` is not a floating dtype.
+        CheckpointValueError: ``dtype`` is not a floating dtype; the item is a PEFT adapter and
+            ``merge_adapter`` is False, or it is a whole model and ``merge_adapter`` is True;
+            ``base``/``adapter_name`` without ``merge_adapter``; the base model is not a local
+            folder (pass ``base``).
+        ItemNotFoundError: no adapter is named ``adapter_name`` (the message lists them).
+        CheckpointError: merging needs peft or transformers, and it is not installed; or
+            loading the base or merging failed (a base that does not fit the adapter); the
+            cause is chained.
     """
     root, out = Path(root), Path(out)
+    if not merge_adapter and (base is not None or adapter_name is not None):
+        given = "base" if base is not None else "adapter_name"
+        raise CheckpointValueError(
+            f"{given} is used only to merge a PEFT adapter; pass merge_adapter=True "
+            "(orbit-pt export --merge-adapter) with it, or leave it out"
+        )
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise CheckpointValueError(
             f"dtype must be a floating torch dtype such as torch.bfloat16, got {dtype!r}"
@@ -132,17 +168,25 @@ def export_model(
             )
     _check_out(out)
     source = entry.path / name
-    if (source / ADAPTER_CONFIG).is_file():
+    is_adapter = bool(_peft.adapter_folders(source))
+    if is_adapter and not merge_adapter:
         # Its tensors are a LoRA adapter's, not a model's: copied as a model folder they would
         # load as a model with random weights.
         raise CheckpointValueError(
-            f"item {name!r} of step {step} in {root} is a PEFT adapter, not a whole model; load "
-            "it with peft.PeftModel.from_pretrained(base_model, step_dir / "
-            f"{name!r}) and merge_and_unload() it (exporting a merged model is not built yet)"
+            f"item {name!r} of step {step} in {root} is a PEFT adapter, not a whole model; "
+            "export it merged into its base model with merge_adapter=True (orbit-pt export "
+            "--merge-adapter), or load it with peft.PeftModel.from_pretrained(base_model, "
+            f"step_dir / {name!r})"
         )
+    if merge_adapter and not is_adapter:
+        raise CheckpointValueError(
+            f"item {name!r} of step {step} in {root} is a whole model, not a PEFT adapter: "
+            "there is nothing to merge; export it without merge_adapter (--merge-adapter)"
+        )
+    if merge_adapter:
+        return _export_merged(source, step, name, out, dtype, base, adapter_name)
     readers = open_model_folder(source)
-    tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.orbit-export-tmp"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_beside(out)
     with _fs.staged_folder(tmp, out):
         written, tensor_bytes = _write(source, tmp, readers, dtype)
     return ExportResult(
@@ -154,6 +198,68 @@ def export_model(
         tensor_bytes=tensor_bytes,
         dtype=None if dtype is None else torch_dtype_name(dtype),
     )
+
+
+def _export_merged(
+    source: Path,
+    step: int,
+    item: str,
+    out: Path,
+    dtype: torch.dtype | None,
+    base: str | os.PathLike[str] | None,
+    adapter_name: str | None,
+) -> ExportResult:
+    """Merge one adapter of ``source`` into its base and write the merged model at ``out``."""
+    adapter, adapter_dir = _peft.select_adapter(source, adapter_name)
+    base_dir = _peft.base_folder(adapter_dir, base)
+    # All in memory before anything is written: a failure to load or merge leaves no folder.
+    try:
+        merged = _peft.merged_model(adapter_dir, _peft.load_base(base_dir, adapter_dir))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # transformers' or PEFT's own error, e.g. a base of another shape
+        raise CheckpointError(
+            f"merging adapter {adapter!r} of item {item!r} of step {step} into the base model "
+            f"in {base_dir} failed ({type(exc).__name__}: {exc}); check that the base is the "
+            "model the adapter was trained on (pass it as base=PATH, --base PATH)"
+        ) from exc
+    handler = ModelHandler(export_dtype=dtype, extra_files=_companion_files(source, base_dir))
+    tmp = _tmp_beside(out)
+    with _fs.staged_folder(tmp, out):
+        # The folder a training step writes for a plain model: from_pretrained loads it.
+        info = handler.save(tmp, merged, HandlerContext(step=step))
+        written = sorted(rel.as_posix() for rel in _fs.iter_files(tmp))
+    return ExportResult(
+        step=step,
+        item=item,
+        out=out,
+        files=tuple(written),
+        tensors=int(info["tensors"]),
+        tensor_bytes=int(info["total_size"]),
+        dtype=None if dtype is None else torch_dtype_name(dtype),
+        adapter=adapter,
+        base=base_dir,
+    )
+
+
+def _companion_files(source: Path, base: Path) -> dict[str, Path]:
+    """The files besides weights and configs a merged export carries, by name.
+
+    The base folder's tokenizer files, then the item's own plain files (a tokenizer saved with
+    the adapter through ``ModelHandler(extra_files=...)``), which win: fine-tuning may add tokens.
+    """
+    files = {name: base / name for name in _peft.TOKENIZER_FILES if (base / name).is_file()}
+    written = {_peft.ADAPTER_CONFIG, CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE}
+    for path in sorted(source.iterdir()):
+        skip = path.name in written or path.suffix == ".safetensors" or path.name[0] == "."
+        if path.is_file() and not skip:
+            files[path.name] = path
+    return files
+
+
+def _tmp_beside(out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.orbit-export-tmp"
 
 
 def _model_item(meta: StepMetadata, step: int, item: str | None) -> str:

@@ -254,12 +254,82 @@ def test_a_step_holding_the_whole_peft_model_still_restores(tmp_path: Path, base
 
 
 def test_export_refuses_an_adapter_step(tmp_path: Path, base_dir: Path) -> None:
-    """An adapter copied out as a model folder would load as a model with random weights."""
+    """An adapter copied out as a model folder would load as a model with random weights.
+
+    Exporting it merged (``merge_adapter=True``) is tested in test_export_merge.py.
+    """
     from orbit_pt.export import export_model
 
     model, _ = _peft_model(base_dir, seed=4)
     with CheckpointManager(tmp_path / "ckpt") as mgr:
         mgr.save(0, {"model": model}, force=True)
-    with pytest.raises(CheckpointValueError, match="PEFT adapter"):
+    with pytest.raises(CheckpointValueError, match=r"PEFT adapter.*--merge-adapter"):
         export_model(tmp_path / "ckpt", 0, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------ FSDP2
+
+
+def _sharded_peft_model(base: str, seed: int, reference: str | None = None) -> Any:
+    """A LoRA model on ``base``, its adapter weights moved off their init, FSDP2-sharded."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)  # the same on every rank: every rank builds the same model
+    model = peft.get_peft_model(_base(Path(base)), peft.LoraConfig(**LORA))
+    with torch.no_grad():  # lora_B starts at 0: move every adapter weight
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                param.add_(torch.rand_like(param))
+    if reference is not None and torch.distributed.get_rank() == 0:
+        model.save_pretrained(reference)  # what PEFT writes for the same model, unsharded
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _lora_full(model: Any) -> dict[str, torch.Tensor]:
+    """Every LoRA parameter, whole (collective: every rank calls it in the same order)."""
+    return {
+        name: param.full_tensor().detach().clone()
+        for name, param in model.named_parameters()
+        if ".lora_" in name
+    }
+
+
+def _peft_under_fsdp(rank: int, world_size: int, base: str, root: str, ref: str) -> None:
+    from _distributed import gather
+
+    model = _sharded_peft_model(base, seed=1, reference=ref)
+    assert all(type(p).__name__ == "DTensor" for p in model.parameters())
+    want = _lora_full(model)
+    with CheckpointManager(root) as mgr:
+        mgr.save(0, {"model": model}, force=True)
+
+    other = _sharded_peft_model(base, seed=2)  # another adapter init
+    assert not _same(_lora_full(other), want)
+    with CheckpointManager(root, options=CheckpointManagerOptions(read_only=True)) as mgr:
+        mgr.restore(0, {"model": other})
+    got = _lora_full(other)
+    assert got.keys() == want.keys()
+    exact = [name for name in want if torch.equal(got[name], want[name])]
+    assert gather(len(exact)) == [len(want)] * world_size, sorted(set(want) - set(exact))
+
+
+@pytest.mark.distributed
+def test_an_adapter_under_fsdp2_is_peft_format_and_restores_exactly(
+    tmp_path: Path, base_dir: Path
+) -> None:
+    from _distributed import run_ranks
+
+    root, ref = tmp_path / "ckpt", tmp_path / "peft"
+    run_ranks(2, _peft_under_fsdp, str(base_dir), str(root), str(ref), timeout=240.0)
+    folder = root / "step_00000000" / "model"
+    assert _files(folder) == ADAPTER_FILES
+    ours = safetensors.torch.load_file(folder / "adapter_model.safetensors")
+    theirs = safetensors.torch.load_file(ref / "adapter_model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    assert _same(ours, theirs)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config == json.loads((ref / "adapter_config.json").read_text())

@@ -14,14 +14,22 @@ not written at any step: it lives where it came from (the pretrained folder or H
 as ``base_model_name_or_path``). A restore loads only the adapter weights, in place, into the
 live PeftModel, whose base the caller built (e.g. with ``from_pretrained``).
 
-peft is never imported by orbit_pt unless such a model is saved or restored: a PeftModel exists
-only once peft is imported, so detection looks at ``sys.modules``.
+peft is never imported by orbit_pt unless such a model is saved or restored, or an adapter is
+merged for an export: a PeftModel exists only once peft is imported, so detection looks at
+``sys.modules``.
+
+For ``orbit-pt export --merge-adapter`` this module also picks the adapter of a step
+(:func:`select_adapter`), finds its base model folder (:func:`base_folder`; never downloaded),
+loads it as the class the adapter was trained on (:func:`load_base`) and merges the adapter into
+it (:func:`merged_model`).
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
+import json
+import os
 import sys
 import warnings
 from collections.abc import Iterable, Mapping
@@ -33,7 +41,12 @@ import torch
 
 from orbit_pt._format.safetensors import SafetensorsReader
 from orbit_pt._format.sharding import is_dtensor
-from orbit_pt.errors import CheckpointTypeError, CheckpointValueError
+from orbit_pt.errors import (
+    CheckpointError,
+    CheckpointTypeError,
+    CheckpointValueError,
+    ItemNotFoundError,
+)
 from orbit_pt.handlers._materialize import is_meta
 from orbit_pt.handlers._wrappers import unwrap
 
@@ -42,16 +55,42 @@ ADAPTER_CONFIG = "adapter_config.json"
 DEFAULT_ADAPTER = "default"
 _SHOWN = 5
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+"""The tokenizer files of a base folder that a merged export carries along."""
+
+# PEFT's task types -> the transformers auto class it builds the base with (AutoPeftModel's map).
+_TASK_CLASSES = {
+    "CAUSAL_LM": "AutoModelForCausalLM",
+    "SEQ_CLS": "AutoModelForSequenceClassification",
+    "SEQ_2_SEQ_LM": "AutoModelForSeq2SeqLM",
+    "TOKEN_CLS": "AutoModelForTokenClassification",
+    "QUESTION_ANS": "AutoModelForQuestionAnswering",
+    "FEATURE_EXTRACTION": "AutoModel",
+}
+
 
 def peft_model(module: torch.nn.Module) -> Any | None:
     """The ``peft.PeftModel`` inside any wrappers of ``module``, or None."""
-    inner = unwrap(module)
-    if not type(inner).__module__.startswith("peft"):
-        return None
     peft = sys.modules.get("peft")
-    if peft is None or not isinstance(inner, peft.PeftModel):
+    if peft is None:
         return None
-    return inner
+    # isinstance, not the class's module: fully_shard swaps in a subclass made by torch
+    # (FSDPPeftModel...), whose __module__ is torch's.
+    inner = unwrap(module)
+    return inner if isinstance(inner, peft.PeftModel) else None
 
 
 def adapter_folder(adapter_name: str) -> str:
@@ -177,6 +216,109 @@ def restore_targets(
     return out
 
 
+def select_adapter(directory: Path, adapter_name: str | None = None) -> tuple[str, Path]:
+    """The name and folder of one adapter saved in ``directory``.
+
+    Args:
+        directory: an item folder holding adapters (``mgr.step_dir(step) / item``).
+        adapter_name: the adapter wanted; None picks ``"default"``, or the only adapter saved.
+
+    Raises:
+        ItemNotFoundError: no adapter of that name is saved (the message lists those that are).
+        CheckpointValueError: ``adapter_name`` is None and several adapters but no
+            ``"default"`` are saved.
+    """
+    found = {
+        folder or DEFAULT_ADAPTER: path
+        for folder, path in adapter_folders(directory).items()
+        if (path / ADAPTER_CONFIG).is_file()
+    }
+    if not found:
+        raise CheckpointValueError(
+            f"{directory} holds no adapter with both {ADAPTER_WEIGHTS} and {ADAPTER_CONFIG}; "
+            "PEFT cannot load it, so it cannot be merged"
+        )
+    if adapter_name is None:
+        if DEFAULT_ADAPTER in found:
+            return DEFAULT_ADAPTER, found[DEFAULT_ADAPTER]
+        if len(found) == 1:
+            return next(iter(found.items()))
+        raise CheckpointValueError(
+            f"{directory} holds the adapters {sorted(found)} and none is named "
+            f"{DEFAULT_ADAPTER!r}; choose one with adapter_name=NAME (--adapter NAME)"
+        )
+    if adapter_name not in found:
+        raise ItemNotFoundError(
+            f"{directory} holds no adapter named {adapter_name!r}; its adapters are "
+            f"{sorted(found) or 'none'} -- pass one of them as adapter_name (--adapter NAME)"
+        )
+    return adapter_name, found[adapter_name]
+
+
+def base_folder(adapter_dir: Path, base: str | os.PathLike[str] | None = None) -> Path:
+    """The local folder of the base model the adapter in ``adapter_dir`` was trained on.
+
+    ``base`` when given, else ``base_model_name_or_path`` of its ``adapter_config.json``. Nothing
+    is ever downloaded: a Hub id, or a folder that is gone, is an error that says to pass the
+    folder explicitly.
+
+    Raises:
+        CheckpointValueError: no such local folder, or it is not a Hugging Face model folder.
+    """
+    config_path = adapter_dir / ADAPTER_CONFIG
+    if base is not None:
+        path, origin = Path(base).expanduser(), f"base={str(base)!r}"
+    else:
+        recorded = json.loads(config_path.read_bytes()).get("base_model_name_or_path")
+        if not recorded:
+            raise CheckpointValueError(
+                f"{config_path} names no base model (base_model_name_or_path is null: the base "
+                "was built from a config, not loaded from a folder); pass the base model's "
+                "folder: base=PATH (orbit-pt export --base PATH)"
+            )
+        path = Path(str(recorded)).expanduser()
+        origin = f"the adapter's base model {recorded!r} (base_model_name_or_path in {config_path})"
+        if not path.is_dir():
+            raise CheckpointValueError(
+                f"{origin} is not a local folder, and orbit_pt never downloads a model; pass the "
+                "folder of that base model: base=PATH (orbit-pt export --base PATH), e.g. after "
+                f"`hf download {recorded} --local-dir PATH`"
+            )
+    if not path.is_dir():
+        raise CheckpointValueError(
+            f"{origin} is not a folder; pass the folder of the base model the adapter was "
+            "trained on (its config.json and weights)"
+        )
+    if not (path / "config.json").is_file():
+        raise CheckpointValueError(
+            f"{origin}: {path} has no config.json, so it is not a Hugging Face model folder; "
+            "pass the folder of the base model the adapter was trained on (base=PATH, "
+            "orbit-pt export --base PATH)"
+        )
+    return path
+
+
+def load_base(base: Path, adapter_dir: Path) -> torch.nn.Module:
+    """The base model in folder ``base``, as the class the adapter in ``adapter_dir`` adapts.
+
+    The class is the one PEFT's ``AutoPeftModel`` would build: the auto class of the adapter's
+    ``task_type``, else the ``auto_mapping`` class PEFT records for a config without one, else
+    ``architectures[0]`` of the base's ``config.json``. It is loaded with ``from_pretrained``'s
+    defaults (its own dtype in transformers 5) and ``local_files_only``.
+
+    Raises:
+        CheckpointError: transformers is not installed.
+        CheckpointValueError: no class could be found for the base.
+    """
+    transformers = _require("transformers", "loading the base model to merge an adapter into")
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_bytes())
+    cls = _base_class(transformers, config, base)
+    model = cls.from_pretrained(str(base), local_files_only=True)
+    if not isinstance(model, torch.nn.Module):  # pragma: no cover - transformers' contract
+        raise CheckpointTypeError(f"{cls.__name__}.from_pretrained returned {type(model)}")
+    return model
+
+
 def merged_model(adapter_dir: str | Path, base_model: torch.nn.Module) -> torch.nn.Module:
     """``base_model`` with the adapter saved in ``adapter_dir`` merged into its weights.
 
@@ -186,10 +328,14 @@ def merged_model(adapter_dir: str | Path, base_model: torch.nn.Module) -> torch.
 
     Args:
         adapter_dir: a folder holding ``adapter_model.safetensors`` and ``adapter_config.json``
-            (``mgr.step_dir(step) / item``).
+            (``mgr.step_dir(step) / item``, or its subfolder for an adapter not named
+            ``"default"``).
         base_model: the frozen base the adapter was trained on, with its weights loaded.
+
+    Raises:
+        CheckpointError: peft is not installed.
     """
-    peft = importlib.import_module("peft")
+    peft = _require("peft", "merging a PEFT adapter into its base model")
     adapted = peft.PeftModel.from_pretrained(base_model, str(adapter_dir))
     merged = adapted.merge_and_unload()
     if not isinstance(merged, torch.nn.Module):  # pragma: no cover - PEFT's contract
@@ -198,6 +344,38 @@ def merged_model(adapter_dir: str | Path, base_model: torch.nn.Module) -> torch.
 
 
 # ------------------------------------------------------------------------------------- helpers
+
+
+def _require(module: str, purpose: str) -> Any:
+    """Import the optional dependency ``module``, or say how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise CheckpointError(
+            f"{purpose} needs {module}, which is not installed: pip install {module}"
+        ) from exc
+
+
+def _base_class(transformers: Any, adapter_config: Mapping[str, Any], base: Path) -> Any:
+    task_type = adapter_config.get("task_type")
+    if task_type in _TASK_CLASSES:
+        return getattr(transformers, _TASK_CLASSES[task_type])
+    mapping = adapter_config.get("auto_mapping") or {}
+    name, library = mapping.get("base_model_class"), str(mapping.get("parent_library", ""))
+    if name and (library == "transformers" or library.startswith("transformers.")):
+        found = getattr(importlib.import_module(library), name, None)
+        if found is not None:
+            return found
+    architectures = json.loads((base / "config.json").read_bytes()).get("architectures") or []
+    found = getattr(transformers, architectures[0], None) if architectures else None
+    if found is None:
+        raise CheckpointValueError(
+            f"cannot tell which transformers class to load the base model in {base} as: the "
+            f"adapter's task_type is {task_type!r}, its auto_mapping names {name!r} and the "
+            f"base's config.json lists architectures {architectures}; load it yourself and "
+            "merge with orbit_pt.handlers._peft.merged_model(adapter_folder, base_model)"
+        )
+    return found
 
 
 def _storage(tensor: torch.Tensor) -> int:
