@@ -8,10 +8,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from orbit_pt import _version
 from orbit_pt._control.background import BackgroundSaver
@@ -19,6 +19,7 @@ from orbit_pt._control.collective import AgreedError, Collective
 from orbit_pt._control.preemption import PreemptionWatcher
 from orbit_pt._format import progress as _progress
 from orbit_pt._storage import layout as _layout
+from orbit_pt._storage.remote import open_root
 from orbit_pt._storage.store import StepStore
 from orbit_pt.errors import (
     CheckpointError,
@@ -31,13 +32,15 @@ from orbit_pt.errors import (
     ReadOnlyError,
 )
 from orbit_pt.handlers import Handler, HandlerContext, default_handler, handler_by_name
-from orbit_pt.handlers.base import StagingHandler
+from orbit_pt.handlers.base import FieldsHandler, StagingHandler, per_rank_error
 from orbit_pt.metadata import FileMetadata, ItemMetadata, StepMetadata, validate_metrics
 from orbit_pt.options import CheckpointManagerOptions
 from orbit_pt.policies import CheckpointInfo
 from orbit_pt.retention import RetentionDecision, decide, record
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class CheckpointManager:
@@ -50,6 +53,10 @@ class CheckpointManager:
             what you want.
         clock: seconds since the epoch, for the commit time recorded in each step. Tests pass a
             fake clock; leave it alone otherwise.
+        storage_options: for an object-store root (``directory`` like ``"s3://bucket/prefix"``):
+            keyword arguments for the object-store client (credentials, endpoint, ...), plus
+            orbit_pt's own ``cache_dir`` (the local mirror), ``lease_seconds`` and
+            ``takeover``. See docs/object-storage.md.
 
     Raises:
         CheckpointLockedError: another writing manager holds the root; open this one with
@@ -63,6 +70,7 @@ class CheckpointManager:
         options: CheckpointManagerOptions | None = None,
         handlers: Mapping[str, Handler] | None = None,
         clock: Callable[[], float] = time.time,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         self._options = options if options is not None else CheckpointManagerOptions()
         if not isinstance(self._options, CheckpointManagerOptions):
@@ -104,8 +112,9 @@ class CheckpointManager:
         with contextlib.ExitStack() as undo:  # a manager that fails to open releases everything
             undo.callback(self._dist.close)
             undo.callback(self._background_dist.close)
+            local, remote = open_root(directory, storage_options)
             self._store = StepStore(
-                Path(directory), read_only=self._options.read_only, dist=self._dist
+                local, read_only=self._options.read_only, dist=self._dist, remote=remote
             )
             undo.callback(self._store.close)
             self._background = BackgroundSaver(self._store.root)
@@ -117,6 +126,7 @@ class CheckpointManager:
         self._preempted = False
         # The step saved once the preemption was agreed; a later save() ends the process.
         self._preemption_saved: int | None = None
+        self._last_restore: RestoreInfo | None = None
 
     # ------------------------------------------------------------------------------- discovery
 
@@ -453,11 +463,22 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------- restoring
 
+    @property
+    def last_restore(self) -> RestoreInfo | None:
+        """What the last successful :meth:`restore` did, or None before the first.
+
+        The step, the items restored, the items asked for that the step does not hold
+        (``missing_ok=True``) and the ``exclude`` entries left out -- the same on every rank.
+        """
+        return self._last_restore
+
     def restore(
         self,
         step: int | None = None,
         items: Mapping[str, Any] | Sequence[str] | None = None,
         *,
+        exclude: Sequence[str] = (),
+        missing_ok: bool = False,
         verify: bool | None = None,
     ) -> dict[str, Any]:
         """Restore ``step`` (default: the latest).
@@ -468,50 +489,97 @@ class CheckpointManager:
                 ``load_state_dict``, dicts of tensors); a value of None, or a sequence of names,
                 returns that item's saved state instead. None restores every item as plain
                 state. A subset of the saved items is fine.
+            exclude: items (``"optimizer"``) and fields of items (``"recipe.rng"``: a field of a
+                :class:`~orbit_pt.RecipeState`, a top-level key of a dict or of a
+                ``state_dict()``) to leave out: they keep their live values and are not in the
+                result. Every entry must name an item or field that the step holds (with
+                ``missing_ok``, an item it lacks is fine too). On another world size than the
+                step was saved with, every per-rank field (RNG, a data loader's position) must
+                be excluded (docs/elastic.md).
+            missing_ok: items asked for that the step does not hold (e.g. a model-only seed
+                step restored into ``{model, optimizer, recipe}``) are left as they are, with
+                a WARNING, instead of raising :class:`ItemNotFoundError`. They are not in the
+                result; :attr:`last_restore` lists them under ``missing``.
             verify: read the restored items' files in full first and check them against the
                 checksums recorded at commit; default ``options.verify_on_restore``. Sizes are
                 always checked.
 
         Raises:
+            ItemNotFoundError: an item asked for is not in the step (and not ``missing_ok``).
+            CheckpointValueError: an ``exclude`` entry names no item or field of the step, or
+                a field of an item that has none (a model: exclude it whole).
+            StateMismatchError: a target does not fit its saved state; or, on another world
+                size, a per-rank field is not excluded -- the message names each one and the
+                ``exclude=(...)`` that accepts it.
             CorruptCheckpointError: a file is missing, truncated, or (with ``verify``) its
                 bytes changed since the commit; the message names the file and the step.
 
+        Everything but the loading itself is checked first, on every rank, before any item is
+        loaded. Under torch.distributed the checks and then the loading are each one
+        agreement: a failure on any rank raises on every rank (docs/protocol.md).
+
         Returns:
-            name -> the loaded object (in place) or its saved state.
+            name -> the loaded object (in place) or its saved state, for each item restored.
         """
         self._check_open()
         self._background.wait(reason="restore")
         if verify is None:
             verify = self._options.verify_on_restore
-        asked = step
+        label = "restore" if step is None else f"restoring step {step}"
 
-        def load() -> tuple[int, dict[str, Any]]:
-            resolved = self._resolve_step(asked)
-            meta = self._store.metadata(resolved)
-            targets = self._targets(resolved, meta, items)
-            self._store.check_files(resolved, meta, checksums_of=targets if verify else ())
-            context = HandlerContext(
-                step=resolved,
-                items=targets,
-                rank=self._dist.rank,
-                world_size=self._dist.world_size,
-                saved_world_size=meta.world_size,
-                collective=self._dist,
+        def check() -> _RestorePlan:
+            return self._plan_restore(step, items, exclude, missing_ok=missing_ok, verify=verify)
+
+        plan, shared = self._agree_restore(
+            "orbit_pt.restore.plan",
+            check,
+            label,
+            share=lambda p: [p.step, list(p.info.excluded), list(p.info.missing)],
+        )
+        _check_same_restore(shared)
+
+        def load() -> dict[str, Any]:
+            total = sum(
+                f.size for rel, f in plan.meta.files.items() if rel.split("/")[0] in plan.targets
             )
-            total = sum(f.size for rel, f in meta.files.items() if rel.split("/")[0] in targets)
             primary = self._dist.is_primary
-            with _progress.showing(f"restoring step {resolved}", total, primary=primary):
-                return resolved, self._restore_items(resolved, meta, targets, context)
+            with _progress.showing(f"restoring step {plan.step}", total, primary=primary):
+                return self._restore_items(plan)
 
-        # Agreed: a rank that fails (a bad checksum, a mismatched model) stops every rank,
-        # instead of letting the others train on from a state this rank does not have.
+        out, _ = self._agree_restore("orbit_pt.restore", load, label)
+        self._last_restore = plan.info
+        if self._dist.is_primary:
+            if plan.info.missing:
+                logger.warning(
+                    "restored step %d from %s without item(s) %s, which it does not hold "
+                    "(missing_ok=True): they keep their live values",
+                    plan.step,
+                    self.directory,
+                    list(plan.info.missing),
+                )
+            if plan.info.excluded:
+                logger.info(
+                    "restored step %d from %s leaving out %s (exclude): they keep their live "
+                    "values",
+                    plan.step,
+                    self.directory,
+                    list(plan.info.excluded),
+                )
+        return out
+
+    def _agree_restore(
+        self,
+        tag: str,
+        fn: Callable[[], _T],
+        label: str,
+        *,
+        share: Callable[[_T], Any] | None = None,
+    ) -> tuple[_T, list[Any]]:
+        """One agreement of a restore: a rank that fails (a bad checksum, a mismatched model, a
+        bad exclude) stops every rank, instead of letting the others train on from a state
+        this rank does not have."""
         try:
-            (_, out), steps = self._dist.agree(
-                "orbit_pt.restore",
-                load,
-                label="restore" if step is None else f"restoring step {step}",
-                share=lambda result: result[0],
-            )
+            return self._dist.agree(tag, fn, label=label, share=share)
         except AgreedError as exc:
             if exc.local is not None:
                 # This rank's own error keeps its type (StateMismatchError, ...); the others'
@@ -520,27 +588,160 @@ class CheckpointManager:
                     exc.local.add_note(f"agreed by every rank: {exc}")
                 raise exc.local from None
             raise
-        if len(set(steps)) > 1:
-            raise CheckpointValueError(
-                f"the ranks restored different steps {steps} (rank order); pass the same step on "
-                "every rank, e.g. mgr.latest_step()"
-            )
-        return out
 
-    def _restore_items(
-        self, step: int, meta: StepMetadata, targets: dict[str, Any], context: HandlerContext
-    ) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name, target in targets.items():
+    def _plan_restore(
+        self,
+        asked: int | None,
+        items: Mapping[str, Any] | Sequence[str] | None,
+        exclude: Sequence[str],
+        *,
+        missing_ok: bool,
+        verify: bool,
+    ) -> _RestorePlan:
+        """Everything a restore checks before it loads anything, on this rank."""
+        step = self._resolve_step(asked)
+        meta = self._store.metadata(step)
+        wanted = self._wanted(items, meta)
+        entries = _exclude_entries(exclude)
+        whole, fields = self._split_exclude(step, meta, wanted, entries, missing_ok=missing_ok)
+        missing = [name for name in wanted if name not in meta.items and name not in whole]
+        if missing and not missing_ok:
+            raise ItemNotFoundError(
+                f"step {step} under {self.directory} has no item(s) {missing}; it holds "
+                f"{sorted(meta.items)}. Pass missing_ok=True to restore what it holds and leave "
+                "the others as they are (e.g. a model-only seed step)"
+            )
+        targets = {n: t for n, t in wanted.items() if n in meta.items and n not in whole}
+        handlers = {n: self._handler_for_restore(step, n, meta.items[n]) for n in targets}
+        context = HandlerContext(
+            step=step,
+            items=wanted,  # every live object, also those left out (the optimizer's model)
+            rank=self._dist.rank,
+            world_size=self._dist.world_size,
+            saved_world_size=meta.world_size,
+            collective=self._dist,
+        )
+        # An object-store step: into the local mirror, before the field checks read the items.
+        self._store.fetch(step, meta, [*targets, *(n for n in fields if n not in targets)])
+        self._check_fields(step, meta, targets, whole, fields, entries, context)
+        self._store.check_files(step, meta, checksums_of=targets if verify else ())
+        info = RestoreInfo(
+            step=step, items=tuple(targets), missing=tuple(missing), excluded=tuple(entries)
+        )
+        return _RestorePlan(step, meta, targets, handlers, fields, context, info)
+
+    def _split_exclude(
+        self,
+        step: int,
+        meta: StepMetadata,
+        wanted: Mapping[str, Any],
+        entries: Sequence[str],
+        *,
+        missing_ok: bool,
+    ) -> tuple[set[str], dict[str, set[str]]]:
+        """The items left out whole, and the fields left out per item, of ``exclude``.
+
+        An entry is an item when it is an item's name, else ``item.field`` for the longest
+        item name it starts with (item names may hold dots).
+        """
+        known = [*meta.items, *(name for name in wanted if name not in meta.items)]
+        whole: set[str] = set()
+        fields: dict[str, set[str]] = {}
+        for entry in entries:
+            item, field = entry, ""
+            if entry not in known:
+                owners = [n for n in known if entry.startswith(f"{n}.") and len(entry) > len(n) + 1]
+                if not owners:
+                    raise CheckpointValueError(
+                        f"exclude entry {entry!r} names no item of step {step} under "
+                        f"{self.directory}, which holds {sorted(meta.items)}; write 'item' to "
+                        "leave an item out or 'item.field' for a field of one, e.g. 'recipe.rng'"
+                    )
+                item = max(owners, key=len)
+                field = entry[len(item) + 1 :]
+            if item not in meta.items and not missing_ok:
+                raise CheckpointValueError(
+                    f"exclude entry {entry!r} names item {item!r}, which step {step} under "
+                    f"{self.directory} does not hold (it holds {sorted(meta.items)}); remove "
+                    "it from exclude, or pass missing_ok=True"
+                )
+            if field:
+                fields.setdefault(item, set()).add(field)
+            else:
+                whole.add(item)
+        return whole, fields
+
+    def _check_fields(
+        self,
+        step: int,
+        meta: StepMetadata,
+        targets: Mapping[str, Any],
+        whole: set[str],
+        fields: Mapping[str, set[str]],
+        entries: Sequence[str],
+        context: HandlerContext,
+    ) -> None:
+        """Every excluded field exists; on another world size, no per-rank state is restored.
+
+        Raises before anything is loaded, naming every per-rank field and item at once.
+        """
+        resharded = meta.world_size != context.world_size
+        names = [n for n in fields if n in meta.items]
+        names += [n for n in targets if resharded and n not in fields]
+        per_rank: dict[str, str] = {}
+        for name in names:
             handler = self._handler_for_restore(step, name, meta.items[name])
-            item_dir = self._store.step_path(step) / name
+            if not isinstance(handler, FieldsHandler):
+                if name in fields:
+                    raise CheckpointValueError(
+                        f"exclude names field(s) {sorted(fields[name])} of item {name!r} of step "
+                        f"{step}, but its handler {handler.name!r} has no named fields; leave "
+                        f"the whole item out with exclude=({name!r},)"
+                    )
+                continue
+            saved = handler.saved_fields(
+                self._store.step_path(step) / name, targets.get(name), context
+            )
+            unknown = sorted(fields.get(name, set()) - set(saved.names))
+            if unknown:
+                raise CheckpointValueError(
+                    f"exclude names field(s) {unknown} of item {name!r}, which step {step} under "
+                    f"{self.directory} does not hold; its fields are {list(saved.names)}"
+                )
+            if name not in targets or name in whole:
+                continue
+            if saved.item_per_rank is not None:
+                per_rank[name] = saved.item_per_rank
+                continue
+            skipped = fields.get(name, set())
+            per_rank.update(
+                (f"{name}.{field}", why)
+                for field, why in saved.per_rank.items()
+                if field not in skipped
+            )
+        if per_rank:
+            raise per_rank_error(
+                per_rank,
+                [*entries, *per_rank],
+                step=step,
+                saved_world_size=meta.world_size,
+                world_size=context.world_size,
+            )
+
+    def _restore_items(self, plan: _RestorePlan) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, target in plan.targets.items():
+            item_dir = self._store.step_path(plan.step) / name
+            context = dataclasses.replace(
+                plan.context, exclude=frozenset(plan.fields.get(name, ()))
+            )
             try:
-                out[name] = handler.restore(item_dir, target, context)
+                out[name] = plan.handlers[name].restore(item_dir, target, context)
             except CheckpointError:
                 raise
             except OSError as exc:
                 raise CorruptCheckpointError(
-                    f"reading item {name!r} of step {step} from {item_dir} failed: {exc}"
+                    f"reading item {name!r} of step {plan.step} from {item_dir} failed: {exc}"
                 ) from exc
         return out
 
@@ -691,27 +892,87 @@ class CheckpointManager:
             )
         return handler
 
-    def _targets(
-        self, step: int, meta: StepMetadata, items: Mapping[str, Any] | Sequence[str] | None
+    def _wanted(
+        self, items: Mapping[str, Any] | Sequence[str] | None, meta: StepMetadata
     ) -> dict[str, Any]:
+        """The items asked for, name -> live object (None: return the saved state)."""
         if items is None:
             return dict.fromkeys(meta.items)
         if isinstance(items, Mapping):
-            targets = dict(items)
-        elif isinstance(items, Sequence) and not isinstance(items, (str, bytes)):
-            targets = dict.fromkeys(items)
-        else:
-            raise CheckpointTypeError(
-                "items must be a mapping of name -> object to load into, or a sequence of item "
-                f"names, got {type(items).__name__}"
-            )
-        missing = [name for name in targets if name not in meta.items]
-        if missing:
-            raise ItemNotFoundError(
-                f"step {step} under {self.directory} has no item(s) {missing}; it holds "
-                f"{sorted(meta.items)}"
-            )
-        return targets
+            return dict(items)
+        if isinstance(items, Sequence) and not isinstance(items, (str, bytes)):
+            return dict.fromkeys(items)
+        raise CheckpointTypeError(
+            "items must be a mapping of name -> object to load into, or a sequence of item "
+            f"names, got {type(items).__name__}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreInfo:
+    """What a restore did: :attr:`CheckpointManager.last_restore`.
+
+    Attributes:
+        step: the step restored.
+        items: the items loaded in place or returned, in the order asked.
+        missing: items asked for that the step does not hold, left as they were
+            (``restore(..., missing_ok=True)``; e.g. the optimizer of a model-only seed step).
+        excluded: the ``exclude`` entries (items and ``item.field`` names), left out with
+            their live values.
+    """
+
+    step: int
+    items: tuple[str, ...]
+    missing: tuple[str, ...] = ()
+    excluded: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _RestorePlan:
+    """A restore checked on this rank: what to load into what, with which handler."""
+
+    step: int
+    meta: StepMetadata
+    targets: dict[str, Any]
+    handlers: dict[str, Handler]
+    fields: dict[str, set[str]]  # item -> its excluded fields
+    context: HandlerContext
+    info: RestoreInfo
+
+
+def _exclude_entries(exclude: object) -> list[str]:
+    """``exclude`` as a list of distinct names, in order, or a CheckpointTypeError."""
+    if isinstance(exclude, (str, bytes)) or not isinstance(exclude, Iterable):
+        raise CheckpointTypeError(
+            f'exclude must be a sequence of names, got {exclude!r}; e.g. exclude=("optimizer", '
+            '"recipe.rng") -- a single name needs a trailing comma: exclude=("optimizer",)'
+        )
+    entries = list(exclude)
+    bad = [entry for entry in entries if not isinstance(entry, str) or not entry]
+    if bad:
+        raise CheckpointTypeError(
+            f"exclude entries must be non-empty strings ('item' or 'item.field'), got {bad[0]!r}"
+        )
+    return list(dict.fromkeys(entries))
+
+
+def _check_same_restore(shared: list[Any]) -> None:
+    """Refuse, on every rank, a restore whose ranks asked for different steps or exclusions."""
+    steps = [s for s, _, _ in shared]
+    if len(set(steps)) > 1:
+        raise CheckpointValueError(
+            f"the ranks asked to restore different steps {steps} (rank order); pass the same "
+            "step on every rank, e.g. mgr.latest_step()"
+        )
+    if any(rest != shared[0][1:] for _, *rest in shared):
+        detail = "; ".join(
+            f"rank {rank}: exclude {excluded}, missing {missing}"
+            for rank, (_, excluded, missing) in enumerate(shared)
+        )
+        raise CheckpointValueError(
+            f"the ranks asked for different restores of step {steps[0]} ({detail}); pass the "
+            "same items, exclude and missing_ok on every rank"
+        )
 
 
 def _check_step(step: object) -> int:

@@ -13,13 +13,17 @@ RNG and dataloader positions differ per rank; under torch.distributed the state 
 the item per rank. ``state_dict()`` records the class of each stateful field under ``"_kinds"``,
 so that a restore into a ``RecipeState`` that lacks a field restores an RNG state anyway and
 refuses, by name, a data loader or scheduler it has nowhere to put.
+
+Each field can be left out of a restore (``exclude=("recipe.dataloader",)``): it keeps its live
+value. On another number of ranks than it was saved on, the per-rank fields (RNG, data loader)
+must be left out; the others restore everywhere (docs/elastic.md).
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -191,12 +195,31 @@ class RecipeState:
                 or an object rejected its saved state. Checked before anything is loaded.
                 Plain fields saved but absent here are added.
         """
+        self.load_state_dict_excluding(state, ())
+
+    def load_state_dict_excluding(
+        self, state: Mapping[str, Any], excluded: Collection[str]
+    ) -> None:
+        """:meth:`load_state_dict`, leaving the fields named in ``excluded`` as they are.
+
+        What ``restore(..., exclude=("recipe.rng", "recipe.dataloader"))`` calls: an excluded
+        field is neither checked nor loaded nor touched, whether or not ``state`` holds it --
+        so an RNG keeps its live seeds and a data loader starts its data over.
+
+        Raises:
+            StateMismatchError: as :meth:`load_state_dict`, for the fields not excluded.
+        """
         if not isinstance(state, Mapping):
             raise CheckpointTypeError(
                 f"RecipeState.load_state_dict needs a mapping, got {type(state).__name__}"
             )
-        current = self.fields()
-        saved = {name: value for name, value in state.items() if name != KINDS_KEY}
+        skipped = set(excluded)
+        current = {name: value for name, value in self.fields().items() if name not in skipped}
+        saved = {
+            name: value
+            for name, value in state.items()
+            if name != KINDS_KEY and name not in skipped
+        }
         missing = [n for n, v in current.items() if has_state_dict(v) and n not in saved]
         if missing:
             raise StateMismatchError(

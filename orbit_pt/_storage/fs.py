@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,3 +106,12 @@ def remove_tree(path: Path) -> None:
     """Remove a folder and everything in it; a missing folder is not an error."""
     with contextlib.suppress(FileNotFoundError):
         shutil.rmtree(path)
+
+
+def has_size(path: Path, size: int) -> bool:
+    """Whether ``path`` is a regular file (not a link) of ``size`` bytes."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_size == size

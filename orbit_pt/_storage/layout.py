@@ -25,7 +25,18 @@ LOCK_FILE = ".orbit.lock"
 RETENTION_FILE = ".orbit-retention.json"
 # The root's own files: neither steps nor anything foreign (the ``.tmp`` is a crash leftover of
 # the retention record's atomic write).
-ROOT_FILES = frozenset({LOCK_FILE, RETENTION_FILE, RETENTION_FILE + ".tmp"})
+# In the local mirror of an object-store root: written by rank 0 when a writer opens, read by
+# the other ranks to check that they all see the folder rank 0 uploads from.
+MIRROR_TOKEN_FILE = ".orbit-mirror"
+ROOT_FILES = frozenset(
+    {
+        LOCK_FILE,
+        RETENTION_FILE,
+        RETENTION_FILE + ".tmp",
+        MIRROR_TOKEN_FILE,
+        MIRROR_TOKEN_FILE + ".tmp",
+    }
+)
 
 _STEP_NAME = re.compile(r"step_(\d{8,})")
 

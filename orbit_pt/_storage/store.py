@@ -28,6 +28,7 @@ from orbit_pt._format import progress as _progress
 from orbit_pt._storage import fs as _fs
 from orbit_pt._storage import layout as _layout
 from orbit_pt._storage import root as _root
+from orbit_pt._storage.remote import RemoteRoot
 from orbit_pt.errors import (
     CheckpointError,
     CheckpointLockedError,
@@ -55,11 +56,20 @@ class StepStore:
     """
 
     def __init__(
-        self, root: Path, *, read_only: bool, dist: Collective, lock_timeout: float = 0.0
+        self,
+        root: Path,
+        *,
+        read_only: bool,
+        dist: Collective,
+        lock_timeout: float = 0.0,
+        remote: RemoteRoot | None = None,
     ) -> None:
         self.root = root
         self.read_only = read_only
         self.dist = dist
+        # An object-store root: steps are committed there; ``root`` is the local mirror.
+        self.remote = remote
+        self._remote_seen: dict[int, tuple[str, StepMetadata]] = {}
         self._lock: filelock.BaseFileLock | None = None
         # Held for a whole rescan and around each change of the root and of the view, so that a
         # rescan (reload) never overwrites the view with a listing taken before a commit.
@@ -72,7 +82,34 @@ class StepStore:
             self.dist.run_everywhere(
                 "orbit_pt.open", lambda: self._open_writer(lock_timeout), label=f"opening {root}"
             )
+            if remote is not None and self.dist.enabled:
+                self._check_shared_mirror()
         self.rescan()
+
+    def _check_shared_mirror(self) -> None:
+        """Every rank sees the mirror rank 0 uploads from (a rank's part must reach it)."""
+        token = None
+        if self.dist.is_primary:
+            token = os.urandom(8).hex()
+            _fs.write_file_atomically(self.root / _layout.MIRROR_TOKEN_FILE, token.encode())
+        token = self.dist.broadcast(token)
+
+        def check() -> None:
+            path = self.root / _layout.MIRROR_TOKEN_FILE
+            try:
+                seen = path.read_text()
+            except OSError:
+                seen = None
+            if seen != token:
+                raise CheckpointError(
+                    f"the local mirror {self.root} of {self.describe()} is not shared with rank "
+                    "0 (this rank cannot see the file rank 0 just wrote there). Every rank "
+                    "writes its part of a step into the mirror and rank 0 uploads it, so on "
+                    "several machines pass storage_options={'cache_dir': PATH} with a folder on "
+                    "a filesystem every rank sees"
+                )
+
+        self.dist.run_everywhere("orbit_pt.open.mirror", check, label=f"opening {self.describe()}")
 
     def _open_writer(self, lock_timeout: float) -> None:
         if not self.dist.is_primary:
@@ -88,6 +125,14 @@ class StepStore:
                 "CheckpointManagerOptions(read_only=True) to only read"
             ) from None
         self._lock = lock
+        if self.remote is not None:
+            try:
+                self.remote.acquire_lease()
+            except BaseException:
+                lock.release()
+                self._lock = None
+                raise
+            self.remote.remove_leftovers(self.remote.committed())
         self._remove_leftovers()
 
     # ------------------------------------------------------------------------------- discovery
@@ -119,6 +164,11 @@ class StepStore:
                 self._committed = dict(sorted(found.items()))
 
     def _scan(self) -> None:
+        if self.remote is not None:
+            found = self.remote.committed(self._remote_seen)
+            self._remote_seen = found
+            self._committed = {step: meta for step, (_, meta) in found.items()}
+            return
         known = {
             step: (seen, self._committed[step])
             for step, seen in self._seen.items()
@@ -163,6 +213,38 @@ class StepStore:
 
     def step_path(self, step: int) -> Path:
         return self.root / _layout.step_name(step)
+
+    def describe(self, step: int | None = None) -> str:
+        """Where the root (or ``step``) is, for messages: the URL of an object-store root."""
+        if self.remote is not None:
+            return self.remote.describe(step)
+        return str(self.root if step is None else self.step_path(step))
+
+    def fetch(self, step: int, meta: StepMetadata, items: Iterable[str]) -> None:
+        """Make the files of ``items`` of an object-store step local (in the mirror).
+
+        Files already in the mirror with their recorded size are not downloaded again. Safe on
+        several ranks sharing the mirror: each download lands under a name of its own and is
+        renamed into place.
+        """
+        if self.remote is None:
+            return
+        base = self.step_path(step)
+        prefixes = tuple(f"{item}/" for item in items)
+        wanted = [
+            rel
+            for rel, f in meta.files.items()
+            if rel.startswith(prefixes) and not _fs.has_size(base / rel, f.size)
+        ]
+        if wanted:
+            logger.info(
+                "downloading %d file(s) of step %d from %s into %s",
+                len(wanted),
+                step,
+                self.remote.describe(step),
+                base,
+            )
+            self.remote.download(step, wanted, base)
 
     def check_files(
         self, step: int, meta: StepMetadata, *, checksums_of: Iterable[str] = ()
@@ -236,13 +318,26 @@ class StepStore:
         if primary:
             assert meta is not None
             try:
+                remote = self.remote
+                if remote is not None:
+                    # Replaced steps go first (their objects have the new step's keys), then
+                    # the files upload outside the mutex, so that readers keep answering.
+                    with self._mutex:
+                        superseded = self._supersede_from(step)
+                    written_meta = meta
+                    self._upload(step, lambda: remote.upload_files(step, tmp, written_meta))
                 with self._mutex:
-                    superseded = self._supersede_from(step)
+                    if remote is None:
+                        superseded = self._supersede_from(step)
+                    else:  # the commit point: the marker object
+                        self._upload(step, lambda: remote.put_marker(step, tmp))
                     _fs.replace_durably(tmp, self.step_path(step))  # the commit point
                     self._record(step, meta, superseded)
                 outcome = {"meta": meta.to_json().decode(), "superseded": superseded}
             except BaseException as exc:
                 _fs.remove_tree(tmp)  # the rename did not happen: never leave a half step behind
+                if self.remote is not None:
+                    self._rescan_after_failure()
                 outcome = {"error": _reason(exc)}
                 dist.broadcast(outcome)
                 if not isinstance(exc, Exception):
@@ -276,13 +371,39 @@ class StepStore:
                 size / 1e9 / max(seconds, 1e-9),
             )
 
+    def _rescan_after_failure(self) -> None:
+        """After a failed commit, take the view from the store: whatever failed, it is right."""
+        try:
+            with self._mutex:
+                self._scan()
+        except Exception as exc:  # the store is unreachable: the next reload() catches up
+            logger.warning("could not list %s after a failed save: %s", self.describe(), exc)
+
     def _record(self, step: int, meta: StepMetadata, superseded: list[int]) -> None:
         for victim in superseded:
             self._committed.pop(victim, None)
             self._seen.pop(victim, None)
+            self._remote_seen.pop(victim, None)
         self._committed[step] = meta
         self._committed = dict(sorted(self._committed.items()))
         self._seen[step] = _root.metadata_identity(self.step_path(step))
+
+    def _upload(self, step: int, upload: Callable[[], None]) -> None:
+        """Run an upload of ``step``; on failure remove what was uploaded, then re-raise."""
+        assert self.remote is not None
+        try:
+            upload()
+        except BaseException:
+            try:
+                self.remote.remove_step_objects(step)
+            except Exception as exc:  # the next writer's clean-up at open removes them
+                logger.warning(
+                    "could not remove the uploaded objects of uncommitted step %d from %s: %s",
+                    step,
+                    self.remote.describe(step),
+                    exc,
+                )
+            raise
 
     def _prepare(self, step: int, tmp: Path, *, primary: bool) -> None:
         if not primary:
@@ -373,6 +494,21 @@ class StepStore:
         victims = sorted((s for s in self._committed if s >= step), reverse=True)
         if not victims:
             return victims
+        if self.remote is not None:
+            logger.warning(
+                "saving step %d in %s replaces committed step(s) %s: copying them to %s/ and "
+                "deleting them (delete them there when you no longer need them)",
+                step,
+                self.remote.url,
+                victims,
+                _layout.SUPERSEDED_DIR,
+            )
+            self.remote.supersede(victims)
+            for victim in victims:  # no longer steps; their mirrored files go too
+                self._committed.pop(victim, None)
+                self._remote_seen.pop(victim, None)
+                _fs.remove_tree(self.step_path(victim))
+            return victims
         logger.warning(
             "saving step %d in %s replaces committed step(s) %s: moving them to %s/ "
             "(delete them there when you no longer need them)",
@@ -413,7 +549,11 @@ class StepStore:
                 doomed = self.root / (_layout.step_name(step) + _layout.DELETING_SUFFIX)
                 _fs.remove_tree(doomed)
                 with self._mutex:
-                    os.replace(self.step_path(step), doomed)
+                    if self.remote is not None:
+                        self.remote.remove_step_objects(step)  # marker first: no step now
+                        self._remote_seen.pop(step, None)
+                    if os.path.lexists(self.step_path(step)) or self.remote is None:
+                        os.replace(self.step_path(step), doomed)
                     self._committed.pop(step, None)
                 _fs.fsync_path(self.root)
                 deleted.append(step)  # out of the step namespace: no longer a step
@@ -430,10 +570,15 @@ class StepStore:
     # ------------------------------------------------------------------------------- lifecycle
 
     def _remove_leftovers(self) -> None:
-        """Remove temporary and half-deleted folders that a crashed writer left behind."""
+        """Remove temporary and half-deleted folders that a crashed writer left behind.
+
+        In an object-store root's mirror, also the mirrored steps the store no longer holds.
+        """
         removed = []
+        remote = set(self.remote.committed()) if self.remote is not None else None
         for entry in _root.scan_root(self.root, superseded=False):
-            if entry.kind in ("temporary", "deleting"):
+            stale = remote is not None and entry.committed and entry.step not in remote
+            if entry.kind in ("temporary", "deleting") or stale:
                 _fs.remove_tree(entry.path)
                 removed.append(entry.name)
         if removed:
@@ -441,6 +586,8 @@ class StepStore:
             logger.info("removed %d leftover folder(s) in %s: %s", len(removed), self.root, removed)
 
     def close(self) -> None:
+        if self.remote is not None:
+            self.remote.release_lease()
         if self._lock is not None:
             self._lock.release()
             self._lock = None

@@ -8,12 +8,13 @@ records so that a restore without explicit handlers picks the same handler again
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from orbit_pt._control.collective import Collective
+from orbit_pt.errors import StateMismatchError
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class HandlerContext:
             its rows) calls ``collective.run_everywhere(tag, fn)``, which is a barrier that
             also agrees on failures (``tag``: a constant string, the same on every rank).
             None on one process, and when a handler is called outside a manager.
+        exclude: on restore, the fields of this item that ``restore(..., exclude=("item.field",
+            ...))`` leaves out: they keep their live values. Only a :class:`FieldsHandler` is
+            given any, and only fields its :meth:`FieldsHandler.saved_fields` listed.
     """
 
     step: int
@@ -41,6 +45,7 @@ class HandlerContext:
     world_size: int = 1
     saved_world_size: int = 1
     collective: Collective | None = None
+    exclude: frozenset[str] = frozenset()
 
 
 @runtime_checkable
@@ -88,3 +93,74 @@ class StagingHandler(Handler, Protocol):
     def stage(self, item: Any, context: HandlerContext) -> Any:
         """Snapshot ``item`` into host memory; the result is passed to ``save`` later."""
         ...
+
+
+@dataclass(frozen=True)
+class SavedFields:
+    """The named fields of an item as saved, and which of them cannot be restored here.
+
+    Attributes:
+        names: every field of the item, in saved order (``("step", "epoch", "rng", ...)`` for a
+            :class:`orbit_pt.RecipeState`).
+        per_rank: on a world size other than the one that saved the item, field -> why it
+            cannot be restored on this one (its state differs between the ranks that saved it,
+            or it is a data loader's position); it must be excluded. Empty on the same world
+            size, where each rank restores its own state.
+        item_per_rank: why the item as a whole cannot be restored on this world size (per-rank
+            state outside its named fields), or None.
+    """
+
+    names: tuple[str, ...]
+    per_rank: Mapping[str, str] = field(default_factory=dict)
+    item_per_rank: str | None = None
+
+
+@runtime_checkable
+class FieldsHandler(Handler, Protocol):
+    """A handler whose items are made of named fields that a restore can leave out one by one.
+
+    ``restore(step, items, exclude=("recipe.rng",))`` names fields of such items. The manager
+    calls :meth:`saved_fields` before it loads anything -- on every rank, inside the restore's
+    agreement -- to check each excluded field and to refuse per-rank fields on another world
+    size; then ``restore`` gets the item's excluded fields in ``context.exclude`` and leaves
+    them out. The state handler is one (a field is a top-level key of the saved state).
+    """
+
+    def saved_fields(
+        self, directory: Path, target: Any | None, context: HandlerContext
+    ) -> SavedFields:
+        """The fields of the item saved in ``directory``, to be restored into ``target``."""
+        ...
+
+
+def per_rank_error(
+    problems: Mapping[str, str],
+    exclude: Sequence[str],
+    *,
+    step: int,
+    saved_world_size: int,
+    world_size: int,
+) -> StateMismatchError:
+    """The error for per-rank state that cannot be restored on another world size.
+
+    Args:
+        problems: ``"item.field"`` (or ``"item"``) -> why it cannot be restored here.
+        exclude: the whole ``exclude=`` that accepts them (what was excluded already, plus
+            every key of ``problems``).
+        step: the step being restored.
+        saved_world_size: the number of ranks that saved the step.
+        world_size: the number of ranks restoring it.
+    """
+    lines = "\n  ".join(f"{name}: {why}" for name, why in problems.items())
+    spelled = ", ".join(f'"{name}"' for name in exclude)
+    if len(exclude) == 1:
+        spelled += ","
+    return StateMismatchError(
+        f"step {step} was saved on {saved_world_size} rank(s) and is restored on {world_size}; "
+        f"{len(problems)} part(s) of it hold per-rank state, which cannot be carried over to "
+        f"another number of ranks:\n  {lines}\n"
+        f"Restore on {saved_world_size} rank(s), or leave them out so that they keep their live "
+        f"values (fresh RNG seeds, a data loader starting its data over): "
+        f"restore(..., exclude=({spelled})). An object that can reshard its per-rank states "
+        "may implement load_state_dict_from_ranks(states) instead (docs/elastic.md)"
+    )

@@ -1,0 +1,374 @@
+"""A root in object storage (``s3://bucket/prefix``): where steps are committed.
+
+An object store has no rename and no folders, so the commit rule of docs/format.md is kept with
+objects: a step is committed exactly when its ``_CHECKPOINT_METADATA`` object exists, parses
+and names its step, and that object is written **last**, after every other object of the step
+is uploaded and its size confirmed. Under the root's prefix ``P``::
+
+    P/step_00000100/<item>/<files>          the step's files
+    P/step_00000100/_CHECKPOINT_METADATA    the commit marker, written last, deleted first
+    P/superseded/step_00000100.<stamp>/...  steps replaced by a rollback (copied, then deleted)
+    P/.orbit-lease                          the writer's lease (a conditional put)
+    P/.orbit-retention.json                 the writer's retention options (for ``ls``)
+
+The step is written first into a local folder, the *mirror* (``storage_options["cache_dir"]``,
+by default under ``~/.cache/orbit_pt``), with the local commit protocol; its files are then
+uploaded, many parts in flight, and the marker put. The mirror keeps the committed steps' files
+so that a restore of a recent step reads local files; a step whose files are not there is
+downloaded into it first. So the mirror needs room for the steps retention keeps.
+
+Deletion removes the marker first (the step stops being a step), then its other objects. A
+writer that opens the root removes what a crashed writer left: objects under a step prefix with
+no marker, and incomplete multipart uploads.
+
+One writer per root: the writer holds a lease object, created with a conditional put
+(``If-None-Match: *``) and renewed by a background thread every third of its duration. A writer
+that died stops renewing; once its lease has expired (``lease_seconds``, default 120 s) the next
+writer takes it over. ``takeover=True`` takes a live lease at once (the other writer's next
+renewal then fails and it stops committing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from orbit_pt._storage import layout as _layout
+from orbit_pt.errors import (
+    CheckpointError,
+    CheckpointLockedError,
+    CheckpointValueError,
+    CorruptCheckpointError,
+)
+from orbit_pt.metadata import StepMetadata
+
+if TYPE_CHECKING:
+    from orbit_pt._storage.objects import ObjectStore
+
+logger = logging.getLogger(__name__)
+
+LEASE_OBJECT = ".orbit-lease"
+DEFAULT_LEASE_SECONDS = 120.0
+_UPLOAD_WORKERS = 8
+
+
+class RemoteRoot:
+    """The object-store side of a root: discovery, the commit marker, deletion and the lease.
+
+    Only the primary rank talks to the store; the :class:`~orbit_pt._storage.store.StepStore`
+    calls it at the commit point, at deletion and when it scans.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        store: ObjectStore,
+        prefix: str,
+        *,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        takeover: bool = False,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.store = store
+        self.prefix = prefix.strip("/")
+        self.lease_seconds = float(lease_seconds)
+        self.takeover = takeover
+        self._owner = uuid.uuid4().hex
+        self._lease_thread: threading.Thread | None = None
+        self._lease_stop = threading.Event()
+        self._lease_lost: str | None = None
+
+    # --------------------------------------------------------------------------------- naming
+
+    def key(self, *parts: str) -> str:
+        return "/".join(p.strip("/") for p in (self.prefix, *parts) if p)
+
+    def step_key(self, step: int, rel: str = "") -> str:
+        return self.key(_layout.step_name(step), rel)
+
+    def describe(self, step: int | None = None) -> str:
+        return self.url if step is None else f"{self.url}/{_layout.step_name(step)}"
+
+    # ------------------------------------------------------------------------------ discovery
+
+    def committed(
+        self, known: Mapping[int, tuple[str, StepMetadata]] | None = None
+    ) -> dict[int, tuple[str, StepMetadata]]:
+        """step -> (identity of its marker, metadata), for every committed step.
+
+        ``known`` markers whose identity (size and ETag) is unchanged are not read again.
+        """
+        known = known or {}
+        found: dict[int, tuple[str, StepMetadata]] = {}
+        for info in self.store.list(self.prefix + "/" if self.prefix else ""):
+            rel = info.key[len(self.prefix) + 1 :] if self.prefix else info.key
+            parts = rel.split("/")
+            if len(parts) != 2 or parts[1] != _layout.METADATA_FILE:
+                continue
+            step = _layout.parse_step_name(parts[0])
+            if step is None:
+                continue
+            identity = f"{info.size}:{info.etag}"
+            if step in known and known[step][0] == identity:
+                found[step] = known[step]
+                continue
+            try:
+                meta = StepMetadata.from_json(self.store.get(info.key), path=Path(info.key))
+            except CorruptCheckpointError as exc:
+                logger.warning("ignoring %s/%s: %s", self.url, rel, exc)
+                continue
+            if meta.step != step:
+                logger.warning(
+                    "ignoring %s/%s: its metadata records step %d", self.url, rel, meta.step
+                )
+                continue
+            found[step] = (identity, meta)
+        return dict(sorted(found.items()))
+
+    # --------------------------------------------------------------------------------- commit
+
+    def upload_files(self, step: int, folder: Path, meta: StepMetadata) -> None:
+        """Upload every file the metadata lists from ``folder``; not yet the commit.
+
+        Several files at once, each in parallel parts; each upload's size is confirmed.
+        """
+        self.check_lease()
+        rels = sorted(meta.files)
+
+        def upload(rel: str) -> None:
+            key = self.step_key(step, rel)
+            self.store.put_file(key, folder / rel)
+            info = self.store.head(key)
+            expected = meta.files[rel].size
+            if info is None or info.size != expected:
+                raise CheckpointError(
+                    f"uploading {rel} of step {step} to {self.describe(step)}: the store holds "
+                    f"{'nothing' if info is None else f'{info.size} bytes'} where {expected} "
+                    "were written"
+                )
+
+        with ThreadPoolExecutor(max_workers=min(_UPLOAD_WORKERS, max(1, len(rels)))) as pool:
+            for future in [pool.submit(upload, rel) for rel in rels]:
+                future.result()
+
+    def put_marker(self, step: int, folder: Path) -> None:
+        """Put the step's metadata object: the commit point (after :meth:`upload_files`)."""
+        self.check_lease()  # a writer that lost its lease must not commit over the new one
+        marker = (folder / _layout.METADATA_FILE).read_bytes()
+        self.store.put(self.step_key(step, _layout.METADATA_FILE), marker)
+
+    def remove_step_objects(self, step: int) -> None:
+        """Delete every object of ``step``, its marker first (after which it is no step)."""
+        self.store.delete([self.step_key(step, _layout.METADATA_FILE)])
+        keys = [info.key for info in self.store.list(self.step_key(step) + "/")]
+        if keys:
+            self.store.delete(keys)
+
+    def supersede(self, steps: Sequence[int]) -> None:
+        """Copy each step into ``superseded/``, then delete it (marker first), newest first."""
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        for step in sorted(steps, reverse=True):
+            source = self.step_key(step) + "/"
+            target = self.key(_layout.SUPERSEDED_DIR, _layout.superseded_name(step, stamp))
+            infos = self.store.list(source)
+            for info in infos:
+                self.store.copy(info.key, target + "/" + info.key[len(source) :])
+            self.remove_step_objects(step)
+
+    def download(self, step: int, rels: Iterable[str], folder: Path) -> None:
+        """Download the step's files ``rels`` into ``folder`` (several at once)."""
+        rels = sorted(rels)
+
+        def fetch(rel: str) -> None:
+            path = folder / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(path.name + ".orbit-download")
+            self.store.get_file(self.step_key(step, rel), partial)
+            os.replace(partial, path)
+
+        with ThreadPoolExecutor(max_workers=min(_UPLOAD_WORKERS, max(1, len(rels)))) as pool:
+            for future in [pool.submit(fetch, rel) for rel in rels]:
+                future.result()
+
+    def remove_leftovers(self, committed: Iterable[int]) -> list[str]:
+        """Remove objects of uncommitted steps and incomplete uploads a crashed writer left."""
+        keep = set(committed)
+        doomed: list[str] = []
+        prefixes: set[str] = set()
+        for info in self.store.list(self.prefix + "/" if self.prefix else ""):
+            rel = info.key[len(self.prefix) + 1 :] if self.prefix else info.key
+            step = _layout.parse_step_name(rel.split("/", 1)[0])
+            if step is not None and "/" in rel and step not in keep:
+                doomed.append(info.key)
+                prefixes.add(rel.split("/", 1)[0])
+        if doomed:
+            self.store.delete(doomed)
+        aborted = self.store.abort_multipart_uploads(self.prefix + "/" if self.prefix else "")
+        if doomed or aborted:
+            logger.info(
+                "removed what a crashed writer left in %s: %d object(s) of uncommitted step(s) "
+                "%s, %d incomplete upload(s)",
+                self.url,
+                len(doomed),
+                sorted(prefixes),
+                aborted,
+            )
+        return sorted(prefixes)
+
+    # ---------------------------------------------------------------------------------- lease
+
+    def acquire_lease(self) -> None:
+        """Become the root's one writer, or raise :class:`CheckpointLockedError`."""
+        from orbit_pt._storage.objects import PreconditionFailed
+
+        key = self.key(LEASE_OBJECT)
+        try:
+            self.store.put(key, self._lease_document(), if_absent=True)
+        except PreconditionFailed:
+            holder = self._read_lease() or {}
+            expired = float(holder.get("expires", 0) or 0) < time.time()
+            if not (expired or self.takeover):
+                raise CheckpointLockedError(
+                    f"another CheckpointManager is writing to {self.url}: it holds the lease "
+                    f"{self.url}/{LEASE_OBJECT} (host {holder.get('host')!r}, pid "
+                    f"{holder.get('pid')}), renewed until "
+                    f"{_when(float(holder.get('expires', 0)))}. Close it first; if it died, "
+                    "its lease expires then and the next writer takes over (or open with "
+                    "storage_options={'takeover': True} to take it now); or open this one with "
+                    "CheckpointManagerOptions(read_only=True) to only read"
+                ) from None
+            logger.warning(
+                "taking over the lease of %s from host %r pid %s (%s)",
+                self.url,
+                holder.get("host"),
+                holder.get("pid"),
+                "takeover=True" if not expired else "it expired: that writer stopped renewing",
+            )
+            self.store.delete([key])
+            try:
+                self.store.put(key, self._lease_document(), if_absent=True)
+            except PreconditionFailed:
+                raise CheckpointLockedError(
+                    f"another writer took the lease of {self.url} at the same moment; close "
+                    "one of them"
+                ) from None
+        self._lease_stop.clear()
+        self._lease_thread = threading.Thread(
+            target=self._renew, name="orbit_pt-lease", daemon=True
+        )
+        self._lease_thread.start()
+
+    def check_lease(self) -> None:
+        """Raise if this writer lost its lease (another writer took it over)."""
+        if self._lease_lost is not None:
+            raise CheckpointLockedError(
+                f"this CheckpointManager lost the lease of {self.url}: {self._lease_lost}; "
+                "nothing more is committed by it"
+            )
+
+    def release_lease(self) -> None:
+        if self._lease_thread is None:
+            return
+        self._lease_stop.set()
+        self._lease_thread.join()
+        self._lease_thread = None
+        holder = self._read_lease()
+        if holder is not None and holder.get("owner") == self._owner:
+            self.store.delete([self.key(LEASE_OBJECT)])
+
+    def _renew(self) -> None:
+        while not self._lease_stop.wait(self.lease_seconds / 3):
+            try:
+                holder = self._read_lease()
+                if holder is None or holder.get("owner") != self._owner:
+                    self._lease_lost = "another writer holds it now"
+                    logger.error("lost the lease of %s: %s", self.url, self._lease_lost)
+                    return
+                self.store.put(self.key(LEASE_OBJECT), self._lease_document())
+            except Exception as exc:  # a store hiccup: try again at the next renewal
+                logger.warning("renewing the lease of %s failed (%s); retrying", self.url, exc)
+
+    def _lease_document(self) -> bytes:
+        return json.dumps(
+            {
+                "owner": self._owner,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "expires": time.time() + self.lease_seconds,
+            }
+        ).encode()
+
+    def _read_lease(self) -> dict[str, Any] | None:
+        try:
+            document = json.loads(self.store.get(self.key(LEASE_OBJECT)))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return {}
+        return document if isinstance(document, dict) else {}
+
+
+def is_url(root: object) -> bool:
+    """Whether ``root`` names an object-store root (``scheme://...``) rather than a folder."""
+    return isinstance(root, str) and "://" in root and not root.startswith("file://")
+
+
+def open_root(
+    root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
+) -> tuple[Path, RemoteRoot | None]:
+    """The local folder a store works in, and the object-store root when ``root`` is a URL.
+
+    orbit_pt's own ``storage_options`` (``cache_dir``, ``lease_seconds``, ``takeover``) are
+    taken out; the others go to the object-store client as its keyword arguments.
+    """
+    options = dict(storage_options or {})
+    if not is_url(root):
+        if options:
+            raise CheckpointValueError(
+                f"storage_options {sorted(options)} were given for the local folder {root!s}; "
+                "they apply only to object-store roots such as 's3://bucket/prefix'"
+            )
+        text = os.fspath(root)
+        return Path(text[len("file://") :] if text.startswith("file://") else text), None
+    url = str(root).rstrip("/")
+    cache_dir = options.pop("cache_dir", None)
+    lease_seconds = options.pop("lease_seconds", DEFAULT_LEASE_SECONDS)
+    takeover = options.pop("takeover", False)
+    if (
+        isinstance(lease_seconds, bool)
+        or not isinstance(lease_seconds, (int, float))
+        or not (lease_seconds > 0)
+    ):
+        raise CheckpointValueError(
+            f"storage_options['lease_seconds'] must be a positive number of seconds, got "
+            f"{lease_seconds!r}"
+        )
+    if not isinstance(takeover, bool):
+        raise CheckpointValueError(
+            f"storage_options['takeover'] must be True or False, got {takeover!r}"
+        )
+    from orbit_pt._storage.objects import open_store  # the client library: only for URLs
+
+    store, prefix = open_store(url, options)
+    if cache_dir is None:
+        digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+        mirror = Path.home() / ".cache" / "orbit_pt" / digest
+    else:
+        mirror = Path(cache_dir)
+    remote = RemoteRoot(url, store, prefix, lease_seconds=lease_seconds, takeover=takeover)
+    return mirror, remote
+
+
+def _when(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
