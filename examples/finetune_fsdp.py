@@ -12,6 +12,8 @@ Face causal-LM folder is fine-tuned instead.
 
 What orbit_pt does here:
 
+- loads the base weights into the model built on the meta device and already sharded
+  (``load_pretrained``): each rank reads only its own rows, no rank ever holds the whole model;
 - saves the model (a Hugging Face folder: ``from_pretrained(step_dir / "model")`` loads it),
   the optimizer, and a RecipeState (step, epoch, RNG, data position, LR schedule) every
   ``--save-every`` steps, keeping ``--keep-last-n`` of them plus every ``--keep-every-k-steps``;
@@ -19,7 +21,9 @@ What orbit_pt does here:
   ``--load-step N`` (newer steps are moved to ``superseded/`` when step N's timeline saves);
 - on SIGTERM (to any rank) every rank saves the same step and the job exits 0, to be requeued;
 - a resumed run continues exactly: on the same world size its losses and final weights are
-  bitwise those of a run that never stopped.
+  bitwise those of a run that never stopped;
+- at the end of training, writes the final model in bfloat16 as a Hugging Face folder to serve
+  (``OUT/export/step_N/model``, path printed), each rank writing its own rows.
 
 ``--batch-size`` is the *global* batch (sequences per step over all ranks): the same job resumed
 on another number of ranks sees the same data in the same order and takes the same steps, up to
@@ -44,12 +48,18 @@ from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
-from tiny_llama import ByteTokenizer, TinyLlama, TinyLlamaConfig, write_base_model
+from tiny_llama import CONFIG_FILE, ByteTokenizer, TinyLlama, TinyLlamaConfig, write_base_model
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from orbit_pt import CheckpointManager, CheckpointManagerOptions, RecipeState, RNGState
+from orbit_pt import (
+    CheckpointManager,
+    CheckpointManagerOptions,
+    RecipeState,
+    RNGState,
+    load_pretrained,
+)
 from orbit_pt.handlers import ModelHandler
 
 EXAMPLES = Path(__file__).resolve().parent
@@ -92,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         type=Path,
         default=Path("runs/finetune"),
-        help="output folder: checkpoints/ (orbit_pt's root), losses.jsonl (rank 0's log of "
-        "every step) and the generated base model",
+        help="output folder: checkpoints/ (orbit_pt's root), export/ (the final model in "
+        "bfloat16, to serve), losses.jsonl (rank 0's log of every step) and the generated base "
+        "model",
     )
     parser.add_argument("--steps", type=int, default=60, help="total training steps")
     parser.add_argument(
@@ -239,34 +250,43 @@ def read_corpus(path: Path | None) -> str:
 # ------------------------------------------------------------------------------------ the model
 
 
-def load_base_model(args: argparse.Namespace, rank: int) -> tuple[nn.Module, Any, ModelHandler]:
-    """The model to fine-tune, its tokenizer, and the orbit_pt handler that saves it."""
+def build_base_model(
+    args: argparse.Namespace, rank: int
+) -> tuple[nn.Module, Path, Any, ModelHandler]:
+    """The model to fine-tune, on the meta device (no memory yet), and the folder of its weights.
+
+    Also its tokenizer, and the orbit_pt handler that saves it. The weights are loaded once the
+    model is sharded (``load_pretrained``), so no rank ever holds all of them.
+    """
     if args.model is None:
         base = args.out / "tiny-llama-base"
         if rank == 0:
             write_base_model(base, TinyLlamaConfig(), seed=BASE_MODEL_SEED)
         dist.barrier()
-        return TinyLlama.from_pretrained(base), ByteTokenizer(), ModelHandler()
+        config = TinyLlamaConfig.from_dict(json.loads((base / CONFIG_FILE).read_text()))
+        with torch.device("meta"):
+            model: nn.Module = TinyLlama(config)
+        return model, base, ByteTokenizer(), ModelHandler()
     try:
         import transformers
     except ImportError:
         raise SystemExit("--model needs transformers: pip install transformers") from None
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        args.model, local_files_only=True, dtype=torch.float32
-    )
+    hf_config = transformers.AutoConfig.from_pretrained(args.model, local_files_only=True)
+    with torch.device("meta"):  # float32 master weights, whatever dtype the folder holds
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     tokenizer_files = {n: args.model / n for n in TOKENIZER_FILES if (args.model / n).is_file()}
     if tokenizer_files:
         tokenizer: Any = transformers.AutoTokenizer.from_pretrained(
             args.model, local_files_only=True
         )
-    elif model.config.vocab_size >= ByteTokenizer.vocab_size:
+    elif hf_config.vocab_size >= ByteTokenizer.vocab_size:
         tokenizer = ByteTokenizer()
     else:
         raise SystemExit(
             f"{args.model} has no tokenizer files and too small a vocabulary for bytes"
         )
     # Each checkpoint's model folder gets the tokenizer too, so it is a complete HF model.
-    return model, tokenizer, ModelHandler(extra_files=tokenizer_files)
+    return model, args.model, tokenizer, ModelHandler(extra_files=tokenizer_files)
 
 
 def encode(tokenizer: Any, text: str) -> torch.Tensor:
@@ -374,9 +394,22 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     progress = Progress(args.out / "losses.jsonl", args.steps, enabled=rank == 0)
 
+    # The model is built on the meta device (shapes, no memory), sharded with FSDP2 -- every
+    # decoder layer is its own shard group, the rest (embeddings, final norm, head) belongs to
+    # the root, and rank r holds rows [r/n, (r+1)/n) of every parameter -- and only then given
+    # memory and the base weights: each rank reads its own rows from the folder, so no rank
+    # ever holds the whole model. (A resume then overwrites them with the checkpoint's.)
+    model, base_folder, tokenizer, model_handler = build_base_model(args, rank)
+    mesh = init_device_mesh(device_type, (world_size,))
+    decoder: Any = getattr(model, "model", model)  # HF layout: the layers are model.model.layers
+    for layer in decoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    load_pretrained(model, base_folder, device=device)
+    model.train()
+
     # The same initial state on every rank: the base weights come from a file, and the global
     # RNGs (saved in the checkpoint by RNGState) start from --seed once the model is built.
-    model, tokenizer, model_handler = load_base_model(args, rank)
     seed_everything(args.seed)
     batches = ShuffledWindows(
         encode(tokenizer, read_corpus(args.data)),
@@ -384,16 +417,6 @@ def main(argv: list[str] | None = None) -> None:
         global_batch=args.batch_size,
         seed=args.seed,
     )
-
-    # FSDP2: every decoder layer is its own shard group, the rest (embeddings, final norm,
-    # head) belongs to the root. Each rank holds rows [r/n, (r+1)/n) of every parameter.
-    mesh = init_device_mesh(device_type, (world_size,))
-    model.to(device)
-    decoder: Any = getattr(model, "model", model)  # HF layout: the layers are model.model.layers
-    for layer in decoder.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.train()
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -427,8 +450,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         )
 
-        step, preempted = recipe.step, False
-        for step in range(recipe.step + 1, args.steps):
+        first, step, preempted = recipe.step + 1, recipe.step, False
+        for step in range(first, args.steps):
             inputs, targets = (t.to(device) for t in batches.next_batch(rank, world_size))
             logits = model(inputs)
             if not isinstance(logits, torch.Tensor):  # a transformers model returns an output
@@ -462,9 +485,33 @@ def main(argv: list[str] | None = None) -> None:
         kept = mgr.all_steps()
         progress.record(event="end", step=step, preempted=preempted, kept=kept)
         progress.message(f"checkpoints kept: {kept} under {mgr.directory}")
+    if not preempted:
+        served = export_for_serving(
+            model, step, args.out / "export", model_handler, trained=step >= first
+        )
+        progress.record(event="export", step=step, path=str(served))
+        progress.message(f"final model in bfloat16, to serve: {served}")
     progress.close()
     dist.barrier()  # leave together: no rank closes its sockets while a peer still uses them
     dist.destroy_process_group()
+
+
+def export_for_serving(
+    model: nn.Module, step: int, root: Path, model_handler: ModelHandler, *, trained: bool
+) -> Path:
+    """Write ``model`` in bfloat16 as a Hugging Face folder to serve, and return the folder.
+
+    Gather-free: a ``ModelHandler(export_dtype=torch.bfloat16)`` save, in which every rank
+    writes its own rows, cast one tensor at a time. It goes through a manager of its own (root
+    ``OUT/export``, keeping the newest), whose commit makes the folder appear whole or not at
+    all. A run that trained nothing (started again after the end) keeps the export it finds.
+    """
+    exporter = ModelHandler(export_dtype=torch.bfloat16, extra_files=model_handler.extra_files)
+    options = CheckpointManagerOptions(keep_last_n=1, preemption_signals=())
+    with CheckpointManager(root, options=options, handlers={"model": exporter}) as export:
+        if trained or export.latest_step() != step:
+            export.save(step, {"model": model}, force=True)
+        return export.step_dir(step) / "model"
 
 
 def _free_port() -> int:

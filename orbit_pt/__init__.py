@@ -38,6 +38,7 @@ from orbit_pt.policies import (
     RetentionPolicy,
     SavePolicy,
 )
+from orbit_pt.pretrained import load_pretrained
 from orbit_pt.recipe import RecipeState, RNGState
 from orbit_pt.retention import RetentionDecision
 
@@ -76,4 +77,5 @@ __all__ = [
     "StepMetadata",
     "StepNotFoundError",
     "__version__",
+    "load_pretrained",
 ]

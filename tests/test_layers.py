@@ -18,7 +18,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "manager",
         ("orbit_pt.manager", "orbit_pt.options", "orbit_pt.policies", "orbit_pt.retention"),
     ),
-    ("tools", ("orbit_pt.verify", "orbit_pt.export", "orbit_pt.cli", "orbit_pt.__main__")),
+    (
+        "tools",
+        (
+            "orbit_pt.verify",
+            "orbit_pt.export",
+            "orbit_pt.pretrained",
+            "orbit_pt.cli",
+            "orbit_pt.__main__",
+        ),
+    ),
     ("api", ("orbit_pt",)),
 ]
 

@@ -212,7 +212,8 @@ class ModelHandler:
             ``"2GB"`` (powers of 10) or ``"1GiB"`` (powers of 2); None writes one file.
         export_dtype: a floating dtype (e.g. ``torch.bfloat16``) that floating tensors are cast
             to when saved. On restore, floating tensors are cast back to the target's dtype
-            (with a warning: a resume from a lower precision is not exact).
+            (logged: a widening cast is exact, a narrowing one rounds with a WARNING; either
+            way a resume from a lower precision is not bitwise).
         config: a ``config.json`` document to write, overriding the module's own ``config``
             (written as given, without the check that the weights fit it).
         extra_files: more files for the folder (tokenizer files, a README), as
@@ -517,6 +518,15 @@ class ModelHandler:
                 directory,
                 plan.casts[0],
             )
+        if plan.widened:
+            logger.info(
+                "restoring %d tensor(s) of %s into a wider floating dtype (e.g. %s): exact, but "
+                "the values are those of the lower precision saved (export_dtype, or a bf16 "
+                "pretrained folder), so a resume from them is not bitwise",
+                len(plan.widened),
+                directory,
+                plan.widened[0],
+            )
         with torch.no_grad():
             for name, tensor in plan.loads:
                 if is_dtensor(tensor):
@@ -596,9 +606,8 @@ class ModelHandler:
                 )
                 return False
             if entry_dtype != dtype:
-                plan.casts.append(
-                    f"{file_name}: {torch_dtype_name(entry_dtype)} -> {torch_dtype_name(dtype)}"
-                )
+                line = f"{file_name}: {torch_dtype_name(entry_dtype)} -> {torch_dtype_name(dtype)}"
+                (plan.widened if _widens(entry_dtype, dtype) else plan.casts).append(line)
             return True
 
         for group in tie_groups(state):
@@ -662,14 +671,30 @@ class _RestorePlan:
     Attributes:
         loads: (name in the folder, live tensor) read as they are.
         converted: (in-memory name, live tensor) made from Hub tensors (MoE experts).
-        casts: one line per tensor read with a cast between floating dtypes.
+        casts: one line per tensor read with a rounding cast between floating dtypes.
+        widened: one line per tensor read into a wider floating dtype (exact).
         filled: the in-memory names that get values (for a meta-device module).
     """
 
     loads: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     converted: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     casts: list[str] = field(default_factory=list)
+    widened: list[str] = field(default_factory=list)
     filled: set[str] = field(default_factory=set)
+
+
+def _widens(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether every value of floating ``source`` is exactly a value of ``target`` (no rounding).
+
+    bf16 and fp16 each fit fp32 and fp64, and fp32 fits fp64; bf16 and fp16 do not fit each
+    other (range against precision).
+    """
+    exact = {
+        torch.bfloat16: {torch.float32, torch.float64},
+        torch.float16: {torch.float32, torch.float64},
+        torch.float32: {torch.float64},
+    }
+    return target in exact.get(source, set())
 
 
 def _layout_of(module: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> HubLayout | None:
