@@ -114,38 +114,43 @@ def load_pretrained(
         raise CheckpointTypeError(
             f"load_pretrained loads into a torch.nn.Module, got {type(model).__name__}"
         )
-    folder = _model_folder(path)
-    if peft_model(model) is not None and _holds_model(folder):
-        raise CheckpointTypeError(
-            f"{folder} holds a whole model, and the target is a peft.PeftModel, whose base "
-            "layers have other names (q_proj.base_layer.weight, ...); load the base weights "
-            "before wrapping: load_pretrained(base, path), then peft.get_peft_model(base, "
-            "config). (A folder of PEFT adapters loads into a PeftModel as it is.)"
-        )
     distributed = dist.is_available() and dist.is_initialized()
-    # The folder was written by one process; FSDP2 rows are found from each DTensor's own
-    # mesh, whatever wrote the files.
-    context = HandlerContext(
-        step=0,
-        rank=dist.get_rank() if distributed else 0,
-        world_size=dist.get_world_size() if distributed else 1,
-        saved_world_size=1,
-    )
     started = time.perf_counter()
 
-    def load() -> None:
+    def load() -> Path:
+        folder = _model_folder(path)
+        if peft_model(model) is not None and _holds_model(folder):
+            raise CheckpointTypeError(
+                f"{folder} holds a whole model, and the target is a peft.PeftModel, whose base "
+                "layers have other names (q_proj.base_layer.weight, ...); load the base "
+                "weights before wrapping: load_pretrained(base, path), then "
+                "peft.get_peft_model(base, config). (A folder of PEFT adapters loads into a "
+                "PeftModel as it is.)"
+            )
+        # The folder was written by one process; FSDP2 rows are found from each DTensor's own
+        # mesh, whatever wrote the files.
+        context = HandlerContext(
+            step=0,
+            rank=dist.get_rank() if distributed else 0,
+            world_size=dist.get_world_size() if distributed else 1,
+            saved_world_size=1,
+        )
         ModelHandler(strict=strict, device=device).restore(folder, model, context)
+        return folder
 
     if distributed:
-        # One agreement: a rank that fails (an unreadable shard, a full disk for the buffers)
-        # fails every rank here, instead of leaving its peers to hang in the next collective.
+        # One agreement: a rank that fails (a bad path, an unreadable shard, a model that does
+        # not fit) fails every rank here, instead of leaving its peers to hang in the next
+        # collective.
         collective = Collective()
         try:
-            collective.run_everywhere("orbit_pt.load_pretrained", load, label=f"loading {folder}")
+            folder = collective.run_everywhere(
+                "orbit_pt.load_pretrained", load, label=f"loading {os.fspath(path)}"
+            )
         finally:
             collective.close()
     else:
-        load()
+        folder = load()
     logger.info(
         "loaded the pretrained weights of %s into %s in %.1f s",
         folder,

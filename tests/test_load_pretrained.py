@@ -419,3 +419,21 @@ def test_finetune_starts_from_the_folder_and_exports_a_bf16_model(tmp_path: Path
     for name, tensor in served.state_dict().items():
         assert torch.equal(tensor, cast.state_dict()[name]), name
     assert torch.equal(_logits(served, IDS), _logits(cast, IDS))
+
+
+def _one_rank_fails(rank: int, world_size: int, folder: str) -> None:
+    from orbit_pt.errors import CheckpointError
+
+    model = transformers.LlamaForCausalLM(_config()).eval()
+    path = folder if rank == 0 else folder + "-missing"  # only rank 1 is given a bad path
+    with pytest.raises(CheckpointError) as raised:
+        load_pretrained(model, path)
+    if rank == 0:
+        assert "rank(s) [1]" in str(raised.value), str(raised.value)
+    else:
+        assert "missing" in str(raised.value)
+
+
+def test_a_failure_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
+    folder = _write(tmp_path / "base", _config(), torch.float32)
+    run_ranks(2, _one_rank_fails, str(folder), timeout=120)
