@@ -20,7 +20,7 @@ from orbit_pt.errors import (
     StepAlreadyExistsError,
     StepNotFoundError,
 )
-from orbit_pt.manager import CheckpointManager
+from orbit_pt.manager import CheckpointManager, RestoreInfo
 from orbit_pt.metadata import FileMetadata, ItemMetadata, StepMetadata
 from orbit_pt.options import CheckpointManagerOptions
 from orbit_pt.policies import (
@@ -69,6 +69,7 @@ __all__ = [
     "RNGState",
     "ReadOnlyError",
     "RecipeState",
+    "RestoreInfo",
     "RetentionDecision",
     "RetentionPolicy",
     "SavePolicy",
