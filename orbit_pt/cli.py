@@ -30,6 +30,7 @@ from orbit_pt import _version
 from orbit_pt._format.safetensors import SafetensorsReader, torch_dtype_name
 from orbit_pt._storage import layout as _layout
 from orbit_pt._storage import root as _root
+from orbit_pt._storage.remote import is_url, sync_mirror
 from orbit_pt.errors import (
     CheckpointError,
     CheckpointLockedError,
@@ -88,7 +89,27 @@ _STATUS = {
 }
 
 
-def _root_dir(value: str) -> Path:
+def _storage_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def _root_dir(
+    value: str, args: argparse.Namespace | None = None, *, files: bool | int | None = False
+) -> Path:
+    """The root folder to read; for an ``s3://`` URL, a local copy of its committed steps.
+
+    The copy holds every committed step's metadata (and the files of the steps ``files``
+    selects), taken from the store now; see :func:`orbit_pt._storage.remote.sync_mirror`.
+    """
+    if is_url(value):
+        options = dict(getattr(args, "storage_options", None) or [])
+        return sync_mirror(value, options, files=files)
     root = Path(value)
     if not root.is_dir():
         what = "is not a folder" if root.exists() else "does not exist"
@@ -151,7 +172,11 @@ def _options(args: argparse.Namespace, *, read_only: bool) -> CheckpointManagerO
 
 
 def _retention(
-    root: Path, options: CheckpointManagerOptions | None, *, dry_run: bool
+    root: Path | str,
+    options: CheckpointManagerOptions | None,
+    *,
+    dry_run: bool,
+    storage_options: dict[str, Any] | None = None,
 ) -> list[RetentionDecision]:
     """What the manager's retention does with ``options`` (deletes unless ``dry_run``)."""
     from orbit_pt.manager import CheckpointManager
@@ -160,7 +185,7 @@ def _retention(
         options = CheckpointManagerOptions(read_only=True, preemption_signals=())
     # A writing manager takes the root's lock (exit 4 while a training job writes it) and
     # removes folders a crash left behind, exactly as a training job does when it starts.
-    with CheckpointManager(root, options=options) as mgr:
+    with CheckpointManager(root, options=options, storage_options=storage_options or None) as mgr:
         return mgr.apply_retention(dry_run=dry_run)
 
 
@@ -168,7 +193,7 @@ def _retention(
 
 
 def _cmd_ls(args: argparse.Namespace) -> tuple[int, Any, str]:
-    root = _root_dir(args.root)
+    root = _root_dir(args.root, args)
     options, source, recorded, notes = _ls_retention(root, args)
     entries = _listed(root)
     decisions = {d.step: d for d in _retention(root, options, dry_run=True)}
@@ -276,7 +301,7 @@ def _entry_json(
 
 
 def _cmd_info(args: argparse.Namespace) -> tuple[int, Any, str]:
-    root = _root_dir(args.root)
+    root = _root_dir(args.root, args)
     entry = _resolve(root, args.step)
     meta = entry.meta
     assert meta is not None
@@ -367,7 +392,7 @@ def _info_text(doc: dict[str, Any], *, show_tensors: bool) -> str:
 def _cmd_verify(args: argparse.Namespace) -> tuple[int, Any, str]:
     from orbit_pt.verify import verify_step
 
-    root = _root_dir(args.root)
+    root = _root_dir(args.root, args, files=True if args.all else args.step)
     if args.all:
         # Every step-named entry of the root: committed steps, and what is in their way.
         entries = _root.scan_root(root, superseded=False)
@@ -388,7 +413,7 @@ def _cmd_verify(args: argparse.Namespace) -> tuple[int, Any, str]:
 
 
 def _cmd_prune(args: argparse.Namespace) -> tuple[int, Any, str]:
-    root = _root_dir(args.root)
+    root = _root_dir(args.root, args)
     options = _options(args, read_only=args.dry_run)
     if options is None:
         raise _UsageError(
@@ -396,7 +421,11 @@ def _cmd_prune(args: argparse.Namespace) -> tuple[int, Any, str]:
             "--keep-best-n with --best-metric, --keep-time-interval); with none, every step "
             "would be kept, so nothing would happen"
         )
-    decisions = _retention(root, options, dry_run=args.dry_run)
+    # An object-store root is pruned by a writer on the store itself, not on the local copy.
+    target = args.root if is_url(args.root) else root
+    decisions = _retention(
+        target, options, dry_run=args.dry_run, storage_options=dict(args.storage_options)
+    )
     doomed = [d.step for d in decisions if not d.kept]
     kept = {d.step: list(d.kept_by) for d in decisions if d.kept}
     doc = {
@@ -416,7 +445,7 @@ def _cmd_prune(args: argparse.Namespace) -> tuple[int, Any, str]:
 def _cmd_export(args: argparse.Namespace) -> tuple[int, Any, str]:
     from orbit_pt.export import EXPORT_DTYPES, export_model
 
-    root = _root_dir(args.root)
+    root = _root_dir(args.root, args, files=args.step)
     result = export_model(
         root,
         args.step,
@@ -501,6 +530,17 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "-v", "--verbose", action="store_true", help="log orbit_pt's INFO messages to stderr"
     )
+    common.add_argument(
+        "--storage-option",
+        dest="storage_options",
+        action="append",
+        default=[],
+        type=_storage_option,
+        metavar="KEY=VALUE",
+        help="for an s3:// ROOT: an option for the object-store client (repeatable; VALUE is "
+        "JSON if it parses, else a string), e.g. endpoint_url=http://127.0.0.1:9000; without "
+        "any, the client's AWS_* environment variables apply",
+    )
     rules = argparse.ArgumentParser(add_help=False)
     group = rules.add_argument_group("retention rules (as CheckpointManagerOptions; any-of)")
     group.add_argument("--keep-last-n", type=_positive, metavar="N", help="keep the N newest steps")
@@ -551,7 +591,9 @@ def build_parser() -> argparse.ArgumentParser:
         "without valid metadata) and superseded/ entries are listed with their status.",
         rules,
     )
-    ls.add_argument("root", metavar="ROOT", help="the checkpoint root folder")
+    ls.add_argument(
+        "root", metavar="ROOT", help="the checkpoint root folder, or an s3://BUCKET/PREFIX URL"
+    )
     ls.set_defaults(run=_cmd_ls)
 
     info = command(
@@ -561,7 +603,9 @@ def build_parser() -> argparse.ArgumentParser:
         "shapes (read from safetensors headers; no tensor data is loaded), world size, metrics "
         "and every file with its size and checksum.",
     )
-    info.add_argument("root", metavar="ROOT", help="the checkpoint root folder")
+    info.add_argument(
+        "root", metavar="ROOT", help="the checkpoint root folder, or an s3://BUCKET/PREFIX URL"
+    )
     info.add_argument("step", metavar="STEP", type=_step, nargs="?", help="default: the latest")
     info.add_argument("--tensors", action="store_true", help="list every tensor")
     info.set_defaults(run=_cmd_info)
@@ -573,7 +617,9 @@ def build_parser() -> argparse.ArgumentParser:
         "checksum, no unlisted file is present, safetensors headers, msgpack and JSON parse. "
         "Exit 1 when anything is wrong.",
     )
-    verify.add_argument("root", metavar="ROOT", help="the checkpoint root folder")
+    verify.add_argument(
+        "root", metavar="ROOT", help="the checkpoint root folder, or an s3://BUCKET/PREFIX URL"
+    )
     which = verify.add_mutually_exclusive_group()
     which.add_argument("step", metavar="STEP", type=_step, nargs="?", help="default: the latest")
     which.add_argument(
@@ -595,7 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
         "folders a crashed writer left behind. At least one rule is required.",
         rules,
     )
-    prune.add_argument("root", metavar="ROOT", help="the checkpoint root folder")
+    prune.add_argument(
+        "root", metavar="ROOT", help="the checkpoint root folder, or an s3://BUCKET/PREFIX URL"
+    )
     prune.add_argument(
         "--dry-run", action="store_true", help="show what would be deleted; change nothing"
     )
@@ -609,7 +657,9 @@ def build_parser() -> argparse.ArgumentParser:
         "it is written under a temporary name and renamed into place. A PEFT adapter item is "
         "exported with --merge-adapter: merged into its base model (needs peft).",
     )
-    export.add_argument("root", metavar="ROOT", help="the checkpoint root folder")
+    export.add_argument(
+        "root", metavar="ROOT", help="the checkpoint root folder, or an s3://BUCKET/PREFIX URL"
+    )
     export.add_argument("step", metavar="STEP", type=_step, help="the step to export")
     export.add_argument("out", metavar="OUT", help="the folder to create")
     export.add_argument(

@@ -836,6 +836,7 @@ class CheckpointManager:
         if not dry_run and not self._options.read_only and dist.is_primary:
             # After the deletions, so that the commit and retention renames come first.
             record(self.directory, self._options)
+            self._store.publish_root_file(_layout.RETENTION_FILE)
         return decisions
 
     def _warn_if_unranked(self, step: int, metrics: Mapping[str, float]) -> None:

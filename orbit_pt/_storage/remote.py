@@ -44,6 +44,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orbit_pt._storage import fs as _fs
 from orbit_pt._storage import layout as _layout
 from orbit_pt.errors import (
     CheckpointError,
@@ -226,16 +227,28 @@ class RemoteRoot:
             )
         return sorted(prefixes)
 
+    def put_root_file(self, folder: Path, name: str) -> None:
+        """Upload the root file ``name`` (the retention record) from ``folder``, if there."""
+        path = folder / name
+        if path.is_file():
+            self.store.put(self.key(name), path.read_bytes())
+
+    def get_root_file(self, name: str) -> bytes | None:
+        try:
+            return self.store.get(self.key(name))
+        except FileNotFoundError:
+            return None
+
     # ---------------------------------------------------------------------------------- lease
 
     def acquire_lease(self) -> None:
         """Become the root's one writer, or raise :class:`CheckpointLockedError`."""
-        from orbit_pt._storage.objects import PreconditionFailed
+        from orbit_pt._storage.objects import PreconditionFailedError
 
         key = self.key(LEASE_OBJECT)
         try:
             self.store.put(key, self._lease_document(), if_absent=True)
-        except PreconditionFailed:
+        except PreconditionFailedError:
             holder = self._read_lease() or {}
             expired = float(holder.get("expires", 0) or 0) < time.time()
             if not (expired or self.takeover):
@@ -258,7 +271,7 @@ class RemoteRoot:
             self.store.delete([key])
             try:
                 self.store.put(key, self._lease_document(), if_absent=True)
-            except PreconditionFailed:
+            except PreconditionFailedError:
                 raise CheckpointLockedError(
                     f"another writer took the lease of {self.url} at the same moment; close "
                     "one of them"
@@ -368,6 +381,53 @@ def open_root(
         mirror = Path(cache_dir)
     remote = RemoteRoot(url, store, prefix, lease_seconds=lease_seconds, takeover=takeover)
     return mirror, remote
+
+
+def sync_mirror(
+    url: str, storage_options: Mapping[str, Any] | None, *, files: bool | int | None = False
+) -> Path:
+    """A local folder that is an ordinary root with the committed steps of the store at ``url``.
+
+    For tools that read a root folder (``orbit-pt ls``, ``info``, ``verify``, ``export``): every
+    committed step gets its metadata there, and its files too where ``files`` says so (True:
+    every step; a step number: that step; None: the latest), mirrored steps
+    the store no longer holds are removed, and the writer's retention record is copied. The
+    folder is the tools' own cache (``cache_dir``, default under ``~/.cache/orbit_pt/tools``),
+    never a training job's mirror, which its writer changes under its own rules.
+    """
+    options = dict(storage_options or {})
+    if "cache_dir" not in options:
+        digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+        options["cache_dir"] = str(Path.home() / ".cache" / "orbit_pt" / "tools" / digest)
+    mirror, remote = open_root(url, options)
+    assert remote is not None
+    mirror.mkdir(parents=True, exist_ok=True)
+    committed = remote.committed()
+    for entry in os.scandir(mirror):
+        step = _layout.parse_step_name(entry.name)
+        if step is not None and step not in committed:
+            _fs.remove_tree(Path(entry.path))
+    for step, (_, meta) in committed.items():
+        folder = mirror / _layout.step_name(step)
+        folder.mkdir(exist_ok=True)
+        marker = folder / _layout.METADATA_FILE
+        if not marker.is_file() or marker.read_bytes() != meta.to_json():
+            marker.write_bytes(meta.to_json())
+        latest = max(committed, default=None)
+        with_files = (
+            files is True
+            or (files is None and step == latest)
+            or (not isinstance(files, bool) and files == step)
+        )
+        if with_files:
+            wanted = [r for r, f in meta.files.items() if not _fs.has_size(folder / r, f.size)]
+            if wanted:
+                remote.download(step, wanted, folder)
+    record = remote.get_root_file(_layout.RETENTION_FILE)
+    if record is not None:
+        (mirror / _layout.RETENTION_FILE).write_bytes(record)
+    remote.store.close()
+    return mirror
 
 
 def _when(seconds: float) -> str:

@@ -220,6 +220,15 @@ class StepStore:
             return self.remote.describe(step)
         return str(self.root if step is None else self.step_path(step))
 
+    def publish_root_file(self, name: str) -> None:
+        """Copy the root file ``name`` (the retention record) to the object store, if any."""
+        if self.remote is None:
+            return
+        try:
+            self.remote.put_root_file(self.root, name)
+        except Exception as exc:  # a convenience for `orbit-pt ls`; the step is committed
+            logger.warning("could not upload %s to %s: %s", name, self.describe(), exc)
+
     def fetch(self, step: int, meta: StepMetadata, items: Iterable[str]) -> None:
         """Make the files of ``items`` of an object-store step local (in the mirror).
 
