@@ -1,0 +1,236 @@
+"""Save and restore throughput to an S3 server: orbit_pt against boto3's managed transfer.
+
+One moto S3 server runs in its own process on 127.0.0.1 (nothing leaves the machine). In each
+round, in turn:
+
+- ``orbit_pt save``: ``CheckpointManager("s3://...").save(step, {"model": m})`` -- the step is
+  written into the local mirror (fsynced, checksummed), uploaded, and the marker put;
+- ``boto3 upload``: ``upload_file`` of the very files that save wrote, with a multithreaded
+  ``TransferConfig`` (the same bytes, already on disk: boto3 does less than the save);
+- ``orbit_pt restore``: a manager with an empty mirror (another machine) restores the step
+  into a fresh model (download + read);
+- ``boto3 download``: ``download_file`` of the same objects into an empty folder.
+
+moto is a Python server and CPU-bound, so loopback numbers measure both clients' overhead plus
+the server's, on the same terms; a real S3 endpoint is much faster for both. Medians of the
+rounds are printed as a table with the ratios.
+
+With ``--fsdp-ranks N`` it instead saves an FSDP2 model from N gloo ranks and reports each
+rank's peak memory growth during the save (``VmHWM``, reset through ``/proc/self/clear_refs``)
+against its shard size.
+
+Run: ``.venv/bin/python benchmarks/s3_checkpoint.py --size-mb 256 --rounds 3``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_server() -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    moto = Path(sys.executable).with_name("moto_server")
+    process = subprocess.Popen(
+        [str(moto), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return process, endpoint
+        except OSError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("moto_server did not start")
+
+
+def _model(size_mb: int) -> torch.nn.Module:
+    # Layers of 16 MB (fp32): a realistic mix of large tensors.
+    width = 2048
+    layers = max(1, size_mb // 16)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+
+
+def _rss_mb(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _fsdp_rank(rank: int, world_size: int, port: int, url: str, options: dict, size_mb: int,
+               out: str) -> None:  # fmt: skip
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from orbit_pt import CheckpointManager
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    model = _model(size_mb)
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / 1e6
+    with CheckpointManager(url, storage_options=options) as mgr:
+        mgr.save(0, {"model": model})  # warm-up: code paths, connections
+        Path("/proc/self/clear_refs").write_text("5")
+        before = _rss_mb("VmRSS")
+        mgr.save(1, {"model": model})
+        growth = _rss_mb("VmHWM") - before
+    Path(out, f"rank{rank}.txt").write_text(f"{shard:.0f} {growth:.0f}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _fsdp(args: argparse.Namespace, endpoint: str, work: Path) -> None:
+    import torch.multiprocessing as mp
+
+    options = {
+        "endpoint_url": endpoint,
+        "key": "testing",
+        "secret": "testing",
+        "cache_dir": str(work / "mirror"),
+    }
+    url = f"s3://bench/fsdp-{uuid.uuid4().hex[:8]}"
+    mp.start_processes(
+        _fsdp_rank,
+        args=(args.fsdp_ranks, _free_port(), url, options, args.size_mb, str(work)),
+        nprocs=args.fsdp_ranks,
+        start_method="spawn",
+    )
+    print(f"FSDP2 save of a {args.size_mb} MB model from {args.fsdp_ranks} ranks to S3")
+    print(f"{'rank':<6} {'shard MB':>9} {'peak growth MB':>15}")
+    for rank in range(args.fsdp_ranks):
+        shard, growth = Path(work, f"rank{rank}.txt").read_text().split()
+        print(f"{rank:<6} {shard:>9} {growth:>15}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--fsdp-ranks", type=int, default=0)
+    args = parser.parse_args()
+
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    from orbit_pt import CheckpointManager
+
+    server, endpoint = _start_server()
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    os.environ.update(env)
+    bucket = "bench"
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket=bucket)
+    if args.fsdp_ranks:
+        work = Path(tempfile.mkdtemp(prefix="orbit-s3-bench-"))
+        try:
+            _fsdp(args, endpoint, work)
+        finally:
+            server.kill()
+            shutil.rmtree(work, ignore_errors=True)
+        return
+    config = TransferConfig(multipart_chunksize=8 * 2**20, max_concurrency=16, use_threads=True)
+    work = Path(tempfile.mkdtemp(prefix="orbit-s3-bench-"))
+    model = _model(args.size_mb)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    times: dict[str, list[float]] = {
+        "orbit_pt save": [],
+        "boto3 upload": [],
+        "orbit_pt restore": [],
+        "boto3 download": [],
+    }
+    storage = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+    try:
+        for round_ in range(args.rounds):
+            url = f"s3://{bucket}/run-{uuid.uuid4().hex[:8]}"
+            mirror = work / f"mirror-{round_}"
+            with CheckpointManager(url, storage_options={**storage, "cache_dir": str(mirror)}) as m:
+                started = time.perf_counter()
+                m.save(1, {"model": model})
+                times["orbit_pt save"].append(time.perf_counter() - started)
+                step_dir = m.step_dir(1)
+            files = sorted(p for p in step_dir.rglob("*") if p.is_file())
+            prefix = f"boto-{uuid.uuid4().hex[:8]}"
+            started = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=4) as pool:  # files in parallel, as orbit_pt
+                list(
+                    pool.map(
+                        lambda p: client.upload_file(
+                            str(p), bucket, f"{prefix}/{p.relative_to(step_dir)}", Config=config
+                        ),
+                        files,
+                    )
+                )
+            times["boto3 upload"].append(time.perf_counter() - started)
+
+            fresh = _model(args.size_mb)
+            other = {**storage, "cache_dir": str(work / f"other-{round_}")}
+            with CheckpointManager(url, storage_options=other) as reader:
+                started = time.perf_counter()
+                reader.restore(1, {"model": fresh})
+                times["orbit_pt restore"].append(time.perf_counter() - started)
+            assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+            target = work / f"download-{round_}"
+            started = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=4) as pool:
+
+                def fetch(p: Path) -> None:
+                    out = target / p.relative_to(step_dir)
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    client.download_file(
+                        bucket, f"{prefix}/{p.relative_to(step_dir)}", str(out), Config=config
+                    )
+
+                list(pool.map(fetch, files))
+            times["boto3 download"].append(time.perf_counter() - started)
+            shutil.rmtree(mirror, ignore_errors=True)
+            shutil.rmtree(work / f"other-{round_}", ignore_errors=True)
+            shutil.rmtree(target, ignore_errors=True)
+    finally:
+        server.kill()
+        shutil.rmtree(work, ignore_errors=True)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    print(f"state: {size / 1e6:.0f} MB, {args.rounds} rounds, medians")
+    print(f"{'mode':<18} {'seconds':>8} {'MB/s':>8}")
+    for name, seconds in medians.items():
+        print(f"{name:<18} {seconds:>8.2f} {size / 1e6 / seconds:>8.0f}")
+    print(
+        f"save / boto3 upload time: {medians['orbit_pt save'] / medians['boto3 upload']:.2f}x; "
+        f"restore / boto3 download time: "
+        f"{medians['orbit_pt restore'] / medians['boto3 download']:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
