@@ -128,6 +128,24 @@ def _fsdp(args: argparse.Namespace, endpoint: str, work: Path) -> None:
         print(f"{rank:<6} {shard:>9} {growth:>15}")
 
 
+def _uploader(client, bucket, prefix, step_dir, config):  # type: ignore[no-untyped-def]
+    def upload(path: Path) -> None:
+        key = f"{prefix}/{path.relative_to(step_dir)}"
+        client.upload_file(str(path), bucket, key, Config=config)
+
+    return upload
+
+
+def _downloader(client, bucket, prefix, step_dir, target, config):  # type: ignore[no-untyped-def]
+    def download(path: Path) -> None:
+        out = target / path.relative_to(step_dir)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        key = f"{prefix}/{path.relative_to(step_dir)}"
+        client.download_file(bucket, key, str(out), Config=config)
+
+    return download
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=256)
@@ -184,14 +202,7 @@ def main() -> None:
             prefix = f"boto-{uuid.uuid4().hex[:8]}"
             started = time.perf_counter()
             with ThreadPoolExecutor(max_workers=4) as pool:  # files in parallel, as orbit_pt
-                list(
-                    pool.map(
-                        lambda p: client.upload_file(
-                            str(p), bucket, f"{prefix}/{p.relative_to(step_dir)}", Config=config
-                        ),
-                        files,
-                    )
-                )
+                list(pool.map(_uploader(client, bucket, prefix, step_dir, config), files))
             times["boto3 upload"].append(time.perf_counter() - started)
 
             fresh = _model(args.size_mb)
@@ -200,19 +211,14 @@ def main() -> None:
                 started = time.perf_counter()
                 reader.restore(1, {"model": fresh})
                 times["orbit_pt restore"].append(time.perf_counter() - started)
-            assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+            assert all(
+                torch.equal(a, b)
+                for a, b in zip(fresh.parameters(), model.parameters(), strict=True)
+            )
             target = work / f"download-{round_}"
             started = time.perf_counter()
             with ThreadPoolExecutor(max_workers=4) as pool:
-
-                def fetch(p: Path) -> None:
-                    out = target / p.relative_to(step_dir)
-                    out.parent.mkdir(parents=True, exist_ok=True)
-                    client.download_file(
-                        bucket, f"{prefix}/{p.relative_to(step_dir)}", str(out), Config=config
-                    )
-
-                list(pool.map(fetch, files))
+                list(pool.map(_downloader(client, bucket, prefix, step_dir, target, config), files))
             times["boto3 download"].append(time.perf_counter() - started)
             shutil.rmtree(mirror, ignore_errors=True)
             shutil.rmtree(work / f"other-{round_}", ignore_errors=True)
