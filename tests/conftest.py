@@ -10,6 +10,8 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+pytest_plugins = ["_s3"]  # the loopback S3 server and its fault proxy (tests/_s3.py)
+
 # database=None: no .hypothesis/ folder written into the current directory.
 settings.register_profile(
     "default",
