@@ -194,9 +194,17 @@ class RemoteRoot:
         def fetch(rel: str) -> None:
             path = folder / rel
             path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(path.name + ".orbit-download")
-            self.store.get_file(self.step_key(step, rel), partial)
-            os.replace(partial, path)
+            # A name of its own: ranks sharing the mirror may fetch the same file at once; each
+            # renames a whole copy into place.
+            partial = path.with_name(
+                f"{path.name}.orbit-download-{os.getpid()}-{threading.get_ident()}"
+            )
+            try:
+                self.store.get_file(self.step_key(step, rel), partial)
+                os.replace(partial, path)
+            except BaseException:
+                partial.unlink(missing_ok=True)
+                raise
 
         with ThreadPoolExecutor(max_workers=min(_UPLOAD_WORKERS, max(1, len(rels)))) as pool:
             for future in [pool.submit(fetch, rel) for rel in rels]:
@@ -302,13 +310,21 @@ class RemoteRoot:
 
     def _renew(self) -> None:
         while not self._lease_stop.wait(self.lease_seconds / 3):
+            from orbit_pt._storage.objects import PreconditionFailedError
+
             try:
+                info = self.store.head(self.key(LEASE_OBJECT))
                 holder = self._read_lease()
-                if holder is None or holder.get("owner") != self._owner:
+                if info is None or holder is None or holder.get("owner") != self._owner:
                     self._lease_lost = "another writer holds it now"
                     logger.error("lost the lease of %s: %s", self.url, self._lease_lost)
                     return
-                self.store.put(self.key(LEASE_OBJECT), self._lease_document())
+                # Compare-and-swap: a takeover between the read and this put wins.
+                self.store.put(self.key(LEASE_OBJECT), self._lease_document(), if_match=info.etag)
+            except PreconditionFailedError:
+                self._lease_lost = "another writer took it over while it was being renewed"
+                logger.error("lost the lease of %s: %s", self.url, self._lease_lost)
+                return
             except Exception as exc:  # a store hiccup: try again at the next renewal
                 logger.warning("renewing the lease of %s failed (%s); retrying", self.url, exc)
 
