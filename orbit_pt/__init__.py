@@ -18,6 +18,7 @@ from orbit_pt.errors import (
     ReadOnlyError,
     StateMismatchError,
     StepAlreadyExistsError,
+    StepNotDurableError,
     StepNotFoundError,
 )
 from orbit_pt.manager import CheckpointManager, RestoreInfo
@@ -76,6 +77,7 @@ __all__ = [
     "StateMismatchError",
     "StepAlreadyExistsError",
     "StepMetadata",
+    "StepNotDurableError",
     "StepNotFoundError",
     "__version__",
     "load_pretrained",

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from orbit_pt import _version
+from orbit_pt._format import safe_open
 from orbit_pt._format.safetensors import SafetensorsReader, torch_dtype_name
 from orbit_pt._storage import layout as _layout
 from orbit_pt._storage import root as _root
@@ -302,6 +303,11 @@ def _entry_json(
 
 def _cmd_info(args: argparse.Namespace) -> tuple[int, Any, str]:
     root = _root_dir(args.root, args)
+    with safe_open.confined(root):  # headers are read without following links in the root
+        return _info(args, root)
+
+
+def _info(args: argparse.Namespace, root: Path) -> tuple[int, Any, str]:
     entry = _resolve(root, args.step)
     meta = entry.meta
     assert meta is not None
@@ -696,7 +702,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``orbit-pt`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    """Run ``orbit-pt`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status.
+
+    A reader that stops reading (``orbit-pt ls --json | head -1``) is not an error: the
+    output it did not want is dropped, and the status is the command's own.
+    """
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -707,11 +717,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     with _logging(verbose=args.verbose):
         code, doc, text = _run(args)
-    if args.json:
-        print(json.dumps(doc, indent=2, sort_keys=True))
-    elif text:
-        print(text)
+    try:
+        if args.json:
+            print(json.dumps(doc, indent=2, sort_keys=True))
+        elif text:
+            print(text)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe could no longer be caught
+    except BrokenPipeError:
+        _drop_stdout()
     return code
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null after its reader went away, so that the interpreter's final
+    flush does not fail again (the recipe of Python's ``signal`` documentation)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a non-file (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 def _run(args: argparse.Namespace) -> tuple[int, Any, str]:
@@ -750,7 +778,8 @@ def _run(args: argparse.Namespace) -> tuple[int, Any, str]:
 
 
 def _error(args: argparse.Namespace, code: int, kind: str, message: str) -> tuple[int, Any, str]:
-    print(f"orbit-pt {args.command}: error: {message}", file=sys.stderr)
+    with contextlib.suppress(BrokenPipeError):  # stderr's reader went away: the code still counts
+        print(f"orbit-pt {args.command}: error: {message}", file=sys.stderr)
     return code, {"error": {"exit_code": code, "kind": kind, "message": message}}, ""
 
 

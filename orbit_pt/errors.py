@@ -8,6 +8,7 @@ process boundaries in distributed and crash tests).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -75,20 +76,95 @@ class StateMismatchError(CheckpointError, ValueError):
 
 
 class CheckpointSaveError(CheckpointError, RuntimeError):
-    """A save failed; nothing of that step was committed. The cause is chained."""
+    """A save failed; nothing of that step was committed. The cause is chained.
 
-    def __init__(self, step: int, path: Path | str, reason: str = "") -> None:
+    The one exception is the subclass :class:`StepNotDurableError`: there the step *is*
+    committed, and only making the commit durable failed. Catch that one first if the two need
+    telling apart.
+
+    When the save failed while moving replaced steps into ``superseded/`` (a rollback, or saving
+    a step that exists), the steps already moved are named, and so are the committed steps as
+    re-read from the root after the failure: the manager's view is that listing.
+
+    Attributes:
+        step: the step that was being saved.
+        path: its temporary folder (its committed folder for :class:`StepNotDurableError`).
+        reason: the cause, readable (every failing rank's, under torch.distributed).
+        superseded: the committed steps that had already been moved into ``superseded/``
+            (whole; move one back to use it again); empty when none was.
+        committed: the committed steps of the root after the failure, as re-read from it; None
+            when unknown (the root could not be listed) or when nothing but the temporary
+            folder was touched.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        path: Path | str,
+        reason: str = "",
+        *,
+        superseded: Sequence[int] = (),
+        committed: Sequence[int] | None = None,
+    ) -> None:
         self.step = step
         self.path = str(path)
         self.reason = reason
-        detail = f": {reason}" if reason else ""
-        super().__init__(
-            f"saving step {step} into {self.path} failed{detail}; nothing of step {step} was "
-            "committed and the steps committed before it are untouched"
-        )
+        self.superseded = list(superseded)
+        self.committed = None if committed is None else list(committed)
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        detail = f": {self.reason}" if self.reason else ""
+        text = f"saving step {self.step} into {self.path} failed{detail}; "
+        if not self.superseded:
+            text += (
+                f"nothing of step {self.step} was committed and the steps committed before it "
+                "are untouched"
+            )
+        else:
+            text += (
+                f"nothing of the new step {self.step} was committed, but step(s) "
+                f"[{_short_list(self.superseded)}] it replaces had already been moved into "
+                "superseded/ (whole: move one back to use it again)"
+            )
+        return text + _now_committed(self.committed)
 
     def __reduce__(self) -> tuple:
-        return (type(self), (self.step, self.path, self.reason))
+        options = {"superseded": self.superseded, "committed": self.committed}
+        return (_rebuild, (type(self), (self.step, self.path, self.reason), options))
+
+
+class StepNotDurableError(CheckpointSaveError):
+    """A save committed its step, but making the commit durable failed (an fsync after it).
+
+    Unlike its base class, the step **is** committed: the step folder has its final name, the
+    manager lists it, and it restores. What failed is the flush of the rename to stable
+    storage, so a power loss could still undo the commit -- and a failing fsync often means a
+    failing disk. Retention did not run for this save. Saving again (the same step or the next)
+    works as usual; saving the same step moves this one into ``superseded/``.
+
+    A subclass of :class:`CheckpointSaveError` so that code which stops or retries on a failed
+    save keeps doing so (a retry is safe); check for this class first to know the step is there.
+    """
+
+    def _message(self) -> str:
+        return (
+            f"step {self.step} is committed in {self.path}; making it durable failed: "
+            f"{self.reason}. It is listed and restores, but a power loss could still undo the "
+            "commit and a failing fsync often means a failing disk: check the disk, and save "
+            "again to write the step anew" + _now_committed(self.committed)
+        )
+
+
+def _now_committed(steps: list[int] | None) -> str:
+    if steps is None:
+        return ""
+    return f"; the committed steps are now [{_short_list(steps)}]"
+
+
+def _rebuild(cls: type[CheckpointSaveError], args: tuple, options: dict) -> CheckpointSaveError:
+    """Unpickle a :class:`CheckpointSaveError` (keyword-only arguments need this hop)."""
+    return cls(*args, **options)
 
 
 class PreemptionExit(SystemExit):

@@ -20,16 +20,20 @@ into its base model (the local folder ``adapter_config.json`` names, or ``base``
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
+from orbit_pt._format import safe_open
+from orbit_pt._format.safe_open import read_json_object
 from orbit_pt._format.safetensors import (
     HEADER_METADATA,
     SafetensorsReader,
@@ -63,6 +67,9 @@ EXPORT_DTYPES: Mapping[str, torch.dtype] = {
 """The ``dtype`` names ``orbit-pt export --dtype`` accepts."""
 
 
+_T = TypeVar("_T")
+
+
 @dataclass(frozen=True)
 class ExportResult:
     """What :func:`export_model` wrote.
@@ -91,6 +98,18 @@ class ExportResult:
     base: Path | None = None
 
 
+def _confined_to_root(fn: Callable[..., _T]) -> Callable[..., _T]:
+    """Run ``fn(root, ...)`` reading nothing through links below ``root`` (also unverified)."""
+
+    @functools.wraps(fn)
+    def run(root: str | os.PathLike[str], *args: Any, **kwargs: Any) -> _T:
+        with safe_open.confined(Path(root)):
+            return fn(root, *args, **kwargs)
+
+    return run
+
+
+@_confined_to_root
 def export_model(
     root: str | os.PathLike[str],
     step: int,
@@ -324,7 +343,7 @@ def _write(
         tensor_bytes += sizes[path.name]
         written.append(path.name)
     if (source / INDEX_FILE).is_file():
-        index = json.loads((source / INDEX_FILE).read_bytes())
+        index = read_json_object(source / INDEX_FILE)  # bounded size and nesting
         index.setdefault("metadata", {})["total_size"] = tensor_bytes
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         written.append(INDEX_FILE)
@@ -333,7 +352,7 @@ def _write(
             continue
         (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
         if rel.as_posix() == CONFIG_FILE and dtype is not None:
-            config = json.loads((source / rel).read_bytes())
+            config = read_json_object(source / rel)
             key = "torch_dtype" if "torch_dtype" in config else "dtype"
             config[key] = torch_dtype_name(dtype)
             (tmp / rel).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -18,6 +18,7 @@ from orbit_pt._control.background import BackgroundSaver
 from orbit_pt._control.collective import AgreedError, Collective
 from orbit_pt._control.preemption import PreemptionWatcher
 from orbit_pt._format import progress as _progress
+from orbit_pt._format import safe_open as _safe_open
 from orbit_pt._storage import layout as _layout
 from orbit_pt._storage.remote import open_root
 from orbit_pt._storage.store import StepStore
@@ -247,8 +248,12 @@ class CheckpointManager:
 
         Raises:
             CheckpointSaveError: writing failed; nothing of ``step`` was committed and earlier
-                steps are untouched. The cause is chained. With ``async_save``, a failure of
-                the previous background save is raised here (and this step is not saved).
+                steps are untouched (unless a rollback had begun moving them into
+                ``superseded/``: the error then names them and the steps now committed). The
+                cause is chained. With ``async_save``, a failure of the previous background
+                save is raised here (and this step is not saved).
+            StepNotDurableError: a ``CheckpointSaveError`` whose step *is* committed: only the
+                fsync after the commit's rename failed (docs/reliability.md).
             PreemptionExit: see above.
         """
         self._check_open()
@@ -413,7 +418,14 @@ class CheckpointManager:
         return job
 
     def delete(self, step: int) -> None:
-        """Delete a committed step (renamed away first, so it is never listed half-deleted)."""
+        """Delete a committed step (renamed away first, so it is never listed half-deleted).
+
+        Raises:
+            StepNotFoundError: ``step`` is not committed.
+            CheckpointError: it could not be renamed away; the message names the steps
+                committed now. (Once renamed, it is deleted: a failure to remove its files is
+                logged, and the next writer to open the root removes them.)
+        """
         self._check_open()
         if self._options.read_only:
             raise ReadOnlyError(f"this manager opened {self.directory} read-only; cannot delete")
@@ -435,7 +447,9 @@ class CheckpointManager:
 
         Raises:
             ReadOnlyError: a read-only manager without ``dry_run``.
-            CheckpointError, OSError: a deletion failed (the steps not deleted stay listed).
+            CheckpointError: a deletion failed. The other steps were still deleted; the
+                message names the steps not deleted (they stay listed) and the steps committed
+                now, as re-read from the root.
 
         On a writing manager under torch.distributed this is collective (rank 0 decides, every
         rank gets its decisions, the deletion is agreed): call it on every rank.
@@ -579,7 +593,8 @@ class CheckpointManager:
         bad exclude) stops every rank, instead of letting the others train on from a state
         this rank does not have."""
         try:
-            return self._dist.agree(tag, fn, label=label, share=share)
+            confined = _safe_open.confining(self._store.root, fn)  # no link below it followed
+            return self._dist.agree(tag, confined, label=label, share=share)
         except AgreedError as exc:
             if exc.local is not None:
                 # This rank's own error keeps its type (StateMismatchError, ...); the others'

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from orbit_pt._format import checksum as _checksum
+from orbit_pt._format import safe_open as _safe_open
 from orbit_pt._storage import layout as _layout
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
 
@@ -76,18 +77,36 @@ class StepMetadata:
                 path: {"size": f.size, "checksum": f.checksum} for path, f in self.files.items()
             },
         }
+        try:  # what a reader would refuse is refused now, at save, naming the field
+            _parse(doc)
+            if _safe_open.json_depth(doc, limit=_safe_open.MAX_JSON_DEPTH) > (
+                _safe_open.MAX_JSON_DEPTH
+            ):
+                raise ValueError(
+                    f"it nests deeper than {_safe_open.MAX_JSON_DEPTH} levels (an item's info?)"
+                )
+        except ValueError as exc:
+            raise CheckpointValueError(
+                f"the metadata of step {self.step} could not be read back ({exc}); a handler's "
+                "info must be a small JSON object"
+            ) from exc
         doc["checksum"] = _self_checksum(doc)
         return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode()
 
     @classmethod
     def from_json(cls, data: bytes, *, path: Path) -> StepMetadata:
-        """Parse metadata; any problem is a :class:`CorruptCheckpointError` naming ``path``."""
+        """Parse metadata; any problem is a :class:`CorruptCheckpointError` naming ``path``.
+
+        Every field is checked against the schema (docs/format.md) -- its type and its range --
+        after the self-checksum: a forged file whose checksum was recomputed is refused by
+        field, never turned into an internal error later.
+        """
         try:
-            doc = json.loads(data)
+            doc = _safe_open.parse_json(data, finite=True)  # NaN is not JSON
             if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
                 raise ValueError("not an orbit_pt metadata file")
-            version = doc["format_version"]
-            if not isinstance(version, int) or version > FORMAT_VERSION:
+            version = _count(doc.get("format_version"), "format_version", low=1)
+            if version > FORMAT_VERSION:
                 raise ValueError(
                     f"format_version {version!r} is newer than this orbit_pt understands "
                     f"({FORMAT_VERSION}); upgrade orbit_pt to read it"
@@ -95,30 +114,10 @@ class StepMetadata:
             recorded = doc.pop("checksum", None)
             if recorded != _self_checksum(doc):
                 raise ValueError(
-                    f"its checksum is {recorded!r} but its content hashes to "
+                    f"its checksum is {recorded!r:.80} but its content hashes to "
                     f"{_self_checksum(doc)!r}: it was changed after the commit"
                 )
-            return cls(
-                step=_int(doc["step"], "step"),
-                time=float(doc["time"]),
-                # Names and paths are checked so that a forged metadata file can never make a
-                # restore read outside the step folder.
-                items={
-                    _layout.check_item_name(name): ItemMetadata(
-                        handler=str(item["handler"]), info=item.get("info", {})
-                    )
-                    for name, item in doc["items"].items()
-                },
-                metrics={str(k): float(v) for k, v in doc.get("metrics", {}).items()},
-                world_size=_int(doc.get("world_size", 1), "world_size"),
-                files={
-                    _layout.check_relative_path(p): FileMetadata(
-                        size=_int(f["size"], "size"), checksum=f.get("checksum")
-                    )
-                    for p, f in doc.get("files", {}).items()
-                },
-                orbit_pt_version=str(doc.get("orbit_pt_version", "")),
-            )
+            return _parse(doc)
         # RecursionError: JSON nested deeper than the parser goes (garbage, or an attack).
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise CorruptCheckpointError(
@@ -128,11 +127,101 @@ class StepMetadata:
 
     @classmethod
     def read(cls, path: Path) -> StepMetadata:
+        """Read and parse the metadata file ``path``: a regular file, never a link."""
         try:
-            data = path.read_bytes()
+            data = _safe_open.read_bytes(path, limit=_safe_open.MAX_JSON_BYTES, nofollow=True)
         except OSError as exc:
             raise CorruptCheckpointError(f"cannot read checkpoint metadata {path}: {exc}") from exc
         return cls.from_json(data, path=path)
+
+
+MAX_WORLD_SIZE = 1 << 20
+"""The largest ``world_size`` a metadata file may record (a restore looks for every rank's
+folder, so a forged huge number must not make it look for billions)."""
+MAX_TIME = 253402300799.0
+"""The latest ``time`` a metadata file may record: 9999-12-31 23:59:59 UTC, the last second a
+date can show."""
+_MAX_SIZE = 2**63 - 1
+
+
+def _parse(doc: Mapping[str, Any]) -> StepMetadata:
+    """The metadata in ``doc`` (its checksum already checked), every field checked.
+
+    Raises:
+        ValueError: naming the first field that does not match the schema.
+    """
+    items = _object(doc.get("items"), "items")
+    files = _object(doc.get("files", {}), "files")
+    metrics = _object(doc.get("metrics", {}), "metrics")
+    return StepMetadata(
+        step=_count(doc.get("step"), "step"),
+        time=_number(doc.get("time"), "time", low=0.0, high=MAX_TIME),
+        # Names and paths are checked so that a forged metadata file can never make a restore
+        # read outside the step folder.
+        items={
+            _layout.check_item_name(name): _item(item, f"items[{name!r:.60}]")
+            for name, item in items.items()
+        },
+        metrics={name: _number(value, f"metrics[{name!r:.60}]") for name, value in metrics.items()},
+        world_size=_count(doc.get("world_size", 1), "world_size", low=1, high=MAX_WORLD_SIZE),
+        files={
+            _layout.check_relative_path(rel): _file(entry, f"files[{rel!r:.100}]")
+            for rel, entry in files.items()
+        },
+        orbit_pt_version=_string(doc.get("orbit_pt_version", ""), "orbit_pt_version"),
+    )
+
+
+def _item(value: Any, where: str) -> ItemMetadata:
+    item = _object(value, where)
+    handler = _string(item.get("handler"), f"{where}.handler")
+    _check(bool(handler), f"{where}.handler", "a non-empty string", handler)
+    return ItemMetadata(handler=handler, info=_object(item.get("info", {}), f"{where}.info"))
+
+
+def _file(value: Any, where: str) -> FileMetadata:
+    entry = _object(value, where)
+    checksum = entry.get("checksum")
+    if checksum is not None:
+        checksum = _string(checksum, f"{where}.checksum", expected="a string or null")
+    size = _count(entry.get("size"), f"{where}.size", high=_MAX_SIZE)
+    return FileMetadata(size=size, checksum=checksum)
+
+
+def _check(ok: bool, field: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"field {field} must be {expected}, got {value!r:.80}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _object(value: Any, field: str) -> dict[str, Any]:
+    _check(isinstance(value, dict), field, "an object", value)
+    return value  # type: ignore[no-any-return]
+
+
+def _string(value: Any, field: str, *, expected: str = "a string") -> str:
+    _check(isinstance(value, str), field, expected, value)
+    return value  # type: ignore[no-any-return]
+
+
+def _count(value: Any, field: str, *, low: int = 0, high: int | None = None) -> int:
+    bounds = f"an integer >= {low}" + ("" if high is None else f" and <= {high}")
+    ok = _is_int(value) and value >= low and (high is None or value <= high)
+    _check(ok, field, bounds, value)
+    return value  # type: ignore[no-any-return]
+
+
+def _number(
+    value: Any, field: str, *, low: float | None = None, high: float | None = None
+) -> float:
+    ok = (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    ok = ok and (low is None or value >= low) and (high is None or value <= high)
+    bounds = "" if low is None else f" between {low:g} and {high:g}"
+    _check(ok, field, f"a finite number{bounds}", value)
+    return float(value)
 
 
 def _self_checksum(doc: Mapping[str, Any]) -> str:
@@ -175,9 +264,3 @@ def validate_metrics(metrics: Mapping[str, Any] | None, *, step: int) -> dict[st
             )
         out[name] = number
     return out
-
-
-def _int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise CheckpointTypeError(f"{name} must be an integer, got {value!r}")
-    return value

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orbit_pt._format import safe_open as _safe_open
 from orbit_pt._storage import fs as _fs
 from orbit_pt._storage import layout as _layout
 from orbit_pt.errors import CheckpointError, CorruptCheckpointError
@@ -164,13 +165,13 @@ def record(root: Path, options: CheckpointManagerOptions) -> None:
     data = _record_bytes(options)
     try:
         try:
-            if path.read_bytes() == data:
+            if _safe_open.read_bytes(path) == data:  # a regular file (a FIFO would block)
                 return
         except FileNotFoundError:
             if options.retention_policy() is None:
                 return  # nothing to say, and nothing older to correct
         _fs.write_file_atomically(path, data)
-    except OSError as exc:
+    except (OSError, CorruptCheckpointError) as exc:
         logger.warning("could not record the retention options in %s: %s", path, exc)
 
 
@@ -182,7 +183,7 @@ def read_record(root: Path) -> RecordedRetention | None:
     """
     path = root / _layout.RETENTION_FILE
     try:
-        doc = json.loads(path.read_bytes())
+        doc = _safe_open.read_json(path)  # a regular file; bounded size and nesting
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:

@@ -11,7 +11,8 @@ What is checked, for one step folder (format in docs/format.md):
 
 - the folder is a committed step, by the rule every reader uses (``_storage/root.py``): a
   folder (not a link), whose ``_CHECKPOINT_METADATA`` parses and names the step of the folder;
-- every file it lists exists, is a regular file inside the step folder, and has its recorded size;
+- every file it lists exists, is a regular file inside the step folder (no link on its way),
+  and has its recorded size;
 - no file is present that it does not list (a stray or half-copied file);
 - every recorded checksum matches the file's bytes (the whole file is read);
 - safetensors headers are valid (offsets inside the file, sizes matching dtype and shape, the
@@ -22,11 +23,15 @@ Files recorded without a checksum (steps written before checksums existed) get t
 checks only and are listed in :attr:`VerifyReport.unchecksummed`; ``require_checksums=True``
 makes each of them a problem. Tensor data is never loaded into tensors; files are read in
 chunks, so memory stays small however large the step.
+
+Nothing outside the step folder is read: the whole check runs confined to it
+(``_format.safe_open``), so a link anywhere below it is a problem, never followed, and a FIFO
+or device is refused before it is opened. Every parse is bounded (docs/format.md, "Reading
+limits"): a hostile file is a problem of kind ``unreadable``, never a crash or a hang.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,10 +40,13 @@ from typing import Any, Literal
 
 import msgpack
 
+from orbit_pt._format import safe_open as _safe_open
 from orbit_pt._format.safetensors import SafetensorsReader
 from orbit_pt._storage import layout as _layout
 from orbit_pt._storage import root as _root
 from orbit_pt.errors import CheckpointValueError, CorruptCheckpointError, StepNotFoundError
+from orbit_pt.handlers._codec import check_refs, optimizer_layout_problem, read_structure
+from orbit_pt.metadata import ItemMetadata
 
 __all__ = ["Problem", "ProblemKind", "VerifyReport", "verify_step"]
 
@@ -49,7 +57,8 @@ ProblemKind = Literal[
 
 - ``metadata``: the folder is not a committed step: ``_CHECKPOINT_METADATA`` is missing,
   unreadable, or names another step, or the step's name is a link or a file, not a folder;
-- ``missing``: a listed file does not exist; ``not-a-file``: it is a folder or a link;
+- ``missing``: a listed file does not exist; ``not-a-file``: it is a folder, a FIFO or a
+  device, a link, or lies below a link (an item folder replaced by one);
 - ``size``: a listed file has another size than recorded (truncated or appended to);
 - ``checksum``: a listed file's bytes changed, or its checksum algorithm is unknown;
 - ``unlisted``: a file in the step that the metadata does not list;
@@ -59,6 +68,23 @@ ProblemKind = Literal[
 """
 
 ProgressCallback = Callable[[int], None]
+
+# The built-in handlers whose .msgpack files are orbit_pt's structure encoding (handlers._codec),
+# with the name of the safetensors file beside each structure, which holds its tensors.
+_CODEC_FILES = {
+    ("state", "state.msgpack"): "tensors.safetensors",
+    ("optimizer", "optimizer.msgpack"): "optimizer.safetensors",
+}
+# JSON files that are objects whenever they are read (a model's config, its index, an adapter's
+# config): a valid JSON array there is as unreadable as garbage.
+_JSON_OBJECTS = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "adapter_config.json",
+        "model.safetensors.index.json",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -208,11 +234,18 @@ class _Verifier:
         self.checksummed: list[str] = []
         self.unchecksummed: list[str] = []
         self.bytes_read = 0
+        # Structures whose tensor references are checked once every file has been: (its path
+        # relative to the step, the structure, its safetensors file relative to the step).
+        self.structures: list[tuple[str, Any, str]] = []
 
     def problem(self, path: str, kind: ProblemKind, detail: str) -> None:
         self.problems.append(Problem(path, kind, detail))
 
     def run(self, entry: _root.RootEntry) -> VerifyReport:
+        with _safe_open.confined(self.step_dir):
+            return self._run(entry)
+
+    def _run(self, entry: _root.RootEntry) -> VerifyReport:
         meta = entry.meta if entry.committed else None
         if meta is None:
             self.problem(_layout.METADATA_FILE, "metadata", f"not a committed step: {entry.reason}")
@@ -230,7 +263,8 @@ class _Verifier:
                 if check.unchecksummed:
                     self.unchecksummed.append(check.rel)
                 if check.sized:
-                    self._check_content(check.rel, check.path)
+                    handler = meta.items.get(check.rel.split("/", 1)[0])
+                    self._check_content(check.rel, check.path, handler)
             for rel in sorted(present - set(listed) - {_layout.METADATA_FILE}):
                 self.problem(
                     rel,
@@ -238,6 +272,7 @@ class _Verifier:
                     "is not listed in the step's metadata (a stray or half-copied file); move "
                     "it out of the step folder",
                 )
+            self._check_references()
             damaged = {p.path.split("/", 1)[0] for p in self.problems}
             for name, item in meta.items.items():
                 # The index <-> shards agreement, unless a file of the item is already reported.
@@ -266,25 +301,53 @@ class _Verifier:
                     found.add((base / name).relative_to(self.step_dir).as_posix())
         return found
 
-    def _check_content(self, rel: str, path: Path) -> None:
+    def _check_content(self, rel: str, path: Path, item: ItemMetadata | None) -> None:
         try:
             if rel.endswith(".safetensors"):
-                _check_safetensors(path)
+                # The reader checks the whole header, and that its tensors cover the data
+                # section exactly, with no gap or overlap.
+                SafetensorsReader(path)
             elif rel.endswith(".msgpack"):
-                msgpack.unpackb(
-                    path.read_bytes(),
-                    raw=False,
-                    strict_map_key=False,
-                    # Extension payloads (tensor references, tuples) stay opaque: parsing is
-                    # the check, and nothing is decoded into objects.
-                    ext_hook=lambda code, data: msgpack.ExtType(code, data),
-                )
+                tensors = _CODEC_FILES.get((item.handler if item else "", path.name))
+                if tensors is not None:
+                    self._check_structure(item, rel, path, tensors)
+                else:
+                    # Another handler's file: parsing is the check, and extension payloads
+                    # stay opaque (msgpack's own stack bounds the nesting; nothing recurses).
+                    msgpack.unpackb(_safe_open.read_bytes(path), strict_map_key=False)
+            elif path.name in _JSON_OBJECTS:
+                _safe_open.read_json_object(path)
             elif rel.endswith(".json"):
-                json.loads(path.read_bytes())
+                _safe_open.read_json(path)
         except CorruptCheckpointError as exc:
             self.problem(rel, "unreadable", str(exc))
-        except (ValueError, msgpack.UnpackException, RecursionError, OSError) as exc:
+        except (ValueError, TypeError, msgpack.UnpackException, OSError) as exc:
             self.problem(rel, "unreadable", f"does not parse: {type(exc).__name__}: {exc}")
+
+    def _check_structure(
+        self, item: ItemMetadata | None, rel: str, path: Path, tensors: str
+    ) -> None:
+        """What a restore decodes, with its limits: the structure and its layout (an
+        optimizer's); its references to the tensors beside it are checked at the end."""
+        structure = read_structure(path)
+        if item is not None and item.handler == "optimizer":
+            problem = optimizer_layout_problem(structure)
+            if problem:
+                raise CorruptCheckpointError(f"{path} is not an optimizer's state ({problem})")
+        self.structures.append((rel, structure, rel.rsplit("/", 1)[0] + "/" + tensors))
+
+    def _check_references(self) -> None:
+        """Every tensor a structure refers to is in the safetensors file beside it -- when that
+        file is itself whole (a damaged one is reported already, once)."""
+        reported = {p.path for p in self.problems}
+        for rel, structure, tensors in self.structures:
+            if tensors in reported or not (self.step_dir / tensors).is_file():
+                continue
+            try:
+                reader = SafetensorsReader(self.step_dir / tensors)
+                check_refs(structure, reader, rel.rsplit("/", 1)[-1])
+            except CorruptCheckpointError as exc:
+                self.problem(rel, "unreadable", str(exc))
 
     def _check_model_folder(self, item: str) -> None:
         # Imported here: the model handler imports torch-heavy helpers that verify's other
@@ -295,24 +358,5 @@ class _Verifier:
             open_model_folder(self.step_dir / item)
         except CorruptCheckpointError as exc:
             self.problem(item, "unreadable", str(exc))
-
-
-def _check_safetensors(path: Path) -> None:
-    """The header is valid and its tensors cover the data section exactly, with no gap."""
-    reader = SafetensorsReader(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-    position = 8 + header_len
-    for entry in sorted(reader.entries.values(), key=lambda e: (e.start, e.end)):
-        if entry.start != position:
-            raise CorruptCheckpointError(
-                f"{path} is not a valid safetensors file (tensor {entry.name!r} starts at byte "
-                f"{entry.start}, expected {position}: overlapping or gapped data)"
-            )
-        position = entry.end
-    if position != size:
-        raise CorruptCheckpointError(
-            f"{path} is not a valid safetensors file (its tensors end at byte {position}, the "
-            f"file has {size})"
-        )
+        except OSError as exc:  # a folder of the item that cannot be listed
+            self.problem(item, "unreadable", f"cannot be read: {exc}")

@@ -11,8 +11,11 @@ knows exactly what had happened when the process died.
 
 Job fields: ``root``, ``steps`` (saved in this order, with ``force=True``), ``tag`` (part of
 each state, to tell timelines apart), ``keep_last_n``, ``exit_at`` (``["replace" or "unlink",
-n, "before" or "after"]``: ``os._exit(3)`` around the n-th such call), ``pause_at_end`` (block
-until killed instead of exiting once every step is saved).
+n, "before" or "after"]``: ``os._exit(3)`` around the n-th such call; a fourth element
+``"kill"`` makes it SIGKILL itself instead), ``trap`` (the ``os`` functions reported and
+counted, default ``["replace", "unlink"]``; tests/test_fault_injection.py adds ``fsync``,
+``mkdir``, ...), ``pause_at_end`` (block until killed instead of exiting once every step is
+saved).
 
 The state of a step is :func:`make_state` ``(step, tag)``, so the test recomputes what each
 committed step must hold.
@@ -64,18 +67,23 @@ def _trap(name: str, exit_at: list[Any] | None) -> None:
     real: Callable[..., Any] = getattr(os, name)
     calls = 0
 
+    def die() -> None:
+        if exit_at is not None and exit_at[3:] == ["kill"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(EXIT_CODE)
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         nonlocal calls
         calls += 1
         target = exit_at is not None and exit_at[0] == name and exit_at[1] == calls
         if target and exit_at is not None and exit_at[2] == "before":
             _emit("exiting", call=name, n=calls, when="before")
-            os._exit(EXIT_CODE)
+            die()
         result = real(*args, **kwargs)
         _emit(name, n=calls, args=[os.fsdecode(a) for a in args if isinstance(a, (str, Path))])
         if target:
             _emit("exiting", call=name, n=calls, when="after")
-            os._exit(EXIT_CODE)
+            die()
         return result
 
     setattr(os, name, wrapper)
@@ -83,8 +91,8 @@ def _trap(name: str, exit_at: list[Any] | None) -> None:
 
 def _save_loop(job: dict[str, Any]) -> None:
     exit_at = job.get("exit_at")
-    _trap("replace", exit_at)
-    _trap("unlink", exit_at)
+    for name in job.get("trap", ["replace", "unlink"]):
+        _trap(name, exit_at)
     options = CheckpointManagerOptions(keep_last_n=job.get("keep_last_n"))
     mgr = CheckpointManager(job["root"], options=options)
     for step in job["steps"]:

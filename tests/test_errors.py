@@ -31,6 +31,7 @@ from orbit_pt import (
     ReadOnlyError,
     StateMismatchError,
     StepAlreadyExistsError,
+    StepNotDurableError,
     StepNotFoundError,
 )
 from orbit_pt.handlers import HandlerContext
@@ -47,6 +48,7 @@ BUILTIN_OF: dict[type[CheckpointError], type[Exception]] = {
     ItemNotFoundError: KeyError,
     StateMismatchError: ValueError,
     CheckpointSaveError: RuntimeError,
+    StepNotDurableError: RuntimeError,  # a CheckpointSaveError whose step *is* committed
 }
 
 
@@ -104,6 +106,8 @@ def sample_errors(tmp_path: Path) -> list[CheckpointError]:
         StateMismatchError("mismatch"),
         CheckpointSaveError(7, tmp_path / "step_00000007.orbit-tmp", "OSError: disk full"),
         CheckpointSaveError(8, str(tmp_path)),
+        CheckpointSaveError(9, tmp_path, "OSError: EIO", superseded=[10, 9], committed=[1, 2]),
+        StepNotDurableError(9, tmp_path / "step_00000009", "OSError: EIO", committed=[9]),
     ]
 
 

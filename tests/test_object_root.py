@@ -48,7 +48,10 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int 
 
 
 def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    return all(
+        torch.equal(x, y)
+        for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
 
 
 def _root(s3: Any, tmp_path: Path) -> dict[str, Any]:
@@ -180,9 +183,11 @@ def test_async_save_commits_in_the_background(root: dict[str, Any], tmp_path: Pa
 
 
 def test_a_second_writer_is_refused(root: dict[str, Any], tmp_path: Path) -> None:
-    with CheckpointManager(root["url"], storage_options=root["options"]):
-        with pytest.raises(CheckpointLockedError, match="lease"):
-            _other_machine(root, tmp_path)
+    with (
+        CheckpointManager(root["url"], storage_options=root["options"]),
+        pytest.raises(CheckpointLockedError, match="lease"),
+    ):
+        _other_machine(root, tmp_path)
     with _other_machine(root, tmp_path) as after:  # released at close
         assert after.all_steps() == []
 
@@ -334,7 +339,7 @@ def _fsdp_save(rank: int, world_size: int, url: str, options: dict[str, Any]) ->
         mgr.save(1, {"model": model, "optimizer": optimizer})
     full = {k: v.full_tensor().contiguous() for k, v in model.state_dict().items()}
     if rank == 0:
-        safetensors.torch.save_file(full, os.path.join(options["cache_dir"], "..", "want.pt"))
+        safetensors.torch.save_file(full, str(Path(options["cache_dir"]).parent / "want.pt"))
     dist.barrier()
 
 

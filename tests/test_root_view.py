@@ -174,7 +174,7 @@ def test_restore_refuses_a_linked_file(tmp_path: Path) -> None:
         moved = tmp_path / "elsewhere.msgpack"
         target.rename(moved)
         target.symlink_to(moved)
-        with pytest.raises(Exception, match="not a regular file") as info:
+        with pytest.raises(Exception, match="is a symbolic link") as info:
             mgr.restore(1)
         assert "step 1 is damaged" in str(info.value)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import xxhash
 
 from orbit_pt._format import progress as _progress
+from orbit_pt._format import safe_open as _safe_open
 from orbit_pt.errors import CheckpointValueError
 
 ALGORITHM = "xxh3-64"
@@ -53,7 +54,9 @@ def of_file(path: Path) -> str:
     checksum = Checksum()
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
+    # A regular file only (a FIFO would block forever), and no link inside a step being
+    # verified: see _format.safe_open.
+    with open(_safe_open.open_regular(path), "rb", buffering=0) as f:
         while n := f.readinto(view):
             checksum.update(view[:n])
             _progress.advance(n)

@@ -9,6 +9,12 @@ file into its target, and so that every malformed header becomes a clear error n
 Format: 8-byte little-endian header length N, N bytes of JSON header (padded with spaces to a
 multiple of 8), then the tensor bytes, each tensor's ``data_offsets`` relative to the end of the
 header, contiguous and covering the whole data section.
+
+Reading is bounded (docs/format.md, "Reading limits"): the header is at most
+:data:`MAX_HEADER_BYTES`, is a JSON object of entries checked field by field (dtype a known name,
+shape non-negative integers, offsets two integers inside the file, matching the shape, together
+covering the data section without gap or overlap), so that a hostile header is a
+:class:`~orbit_pt.CorruptCheckpointError` naming the file before any tensor is allocated.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -27,6 +33,7 @@ import torch
 
 from orbit_pt._format import checksum as _checksum
 from orbit_pt._format import progress as _progress
+from orbit_pt._format import safe_open as _safe_open
 from orbit_pt._format.direct_io import RangeWriter
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
 
@@ -54,6 +61,9 @@ HEADER_METADATA: Mapping[str, str] = MappingProxyType({"format": "pt"})
 
 # Reads and writes go through buffers of this size so that no syscall moves gigabytes at once.
 _CHUNK = 64 << 20
+
+MAX_HEADER_BYTES = 100_000_000
+"""The largest header read, as the safetensors library itself allows."""
 
 
 @dataclass(frozen=True)
@@ -191,37 +201,78 @@ def write_safetensors(
 
 
 def _contiguous_cpu(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    check_storable(name, tensor)
+    return tensor.detach().to("cpu").contiguous()
+
+
+def check_storable(name: str, tensor: torch.Tensor) -> None:
+    """Refuse a tensor that has no dense bytes to store, naming it and saying what to do.
+
+    Checked before any copy (an async save's staging too), so that a sparse, nested, quantized
+    or meta tensor is a :class:`~orbit_pt.CheckpointTypeError` / ``CheckpointValueError``
+    rather than whatever torch raises when asked to copy it.
+    """
     if not isinstance(tensor, torch.Tensor):
         raise CheckpointTypeError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
+    if tensor.is_nested:
+        raise CheckpointTypeError(
+            f"tensor {name!r} is a nested tensor, which safetensors cannot store; save its "
+            "components (tensor.unbind()) instead"
+        )
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise CheckpointTypeError(
             f"tensor {name!r} has layout {tensor.layout}; only dense tensors can be saved -- "
             "call .to_dense() on it first"
         )
-    if tensor.is_quantized or tensor.is_nested:
+    if tensor.is_quantized:
         raise CheckpointTypeError(
-            f"tensor {name!r} is quantized or nested and cannot be saved as it is"
+            f"tensor {name!r} is quantized and cannot be saved as it is; dequantize it first "
+            "(tensor.dequantize())"
         )
-    return tensor.detach().to("cpu").contiguous()
+    if tensor.is_meta:
+        raise CheckpointValueError(
+            f"tensor {name!r} is on the meta device: it has a shape but no data to save; "
+            "materialize it first (e.g. module.to_empty(device=...) and load its weights)"
+        )
 
 
 class SafetensorsReader:
-    """Validated access to the tensors of one safetensors file."""
+    """Validated access to the tensors of one safetensors file.
+
+    The file is opened as ``_format.safe_open`` opens a checkpoint's files (a regular file; no
+    link inside a step being restored), its header is checked, and every later read reopens
+    that same file (a file swapped in meanwhile is refused).
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.entries, self.metadata = _read_header(path)
+        try:
+            fd = _safe_open.open_regular(path)
+        except OSError as exc:
+            raise CorruptCheckpointError(f"cannot read {path}: {exc}") from exc
+        try:
+            self._identity = _safe_open.identity_of(fd)
+            self.entries, self.metadata = _read_header(fd, path)
+        finally:
+            os.close(fd)
 
     def keys(self) -> list[str]:
         return list(self.entries)
+
+    def open(self) -> int:
+        """A read-only descriptor of the file whose header was checked; the caller closes it."""
+        return _safe_open.reopen(self.path, self._identity)
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read tensor ``name`` into ``out`` (same dtype and shape, contiguous CPU) or a new one."""
         entry = self.entries[name]
         if out is None:
             out = torch.empty(entry.shape, dtype=entry.dtype)
-        with open(self.path, "rb", buffering=0) as f:
-            _read_into(f, entry.start, tensor_bytes(out), self.path)
+        fd = self.open()
+        try:
+            _read_into(fd, entry.start, tensor_bytes(out), self.path)
+        finally:
+            os.close(fd)
         return out
 
     def read_into(self, name: str, target: torch.Tensor) -> torch.Tensor:
@@ -238,11 +289,14 @@ class SafetensorsReader:
     def read_all(self) -> dict[str, torch.Tensor]:
         """Every tensor, read in file order with one open file."""
         out: dict[str, torch.Tensor] = {}
-        with open(self.path, "rb", buffering=0) as f:
+        fd = self.open()
+        try:
             for name, entry in self.entries.items():
                 tensor = torch.empty(entry.shape, dtype=entry.dtype)
-                _read_into(f, entry.start, tensor_bytes(tensor), self.path)
+                _read_into(fd, entry.start, tensor_bytes(tensor), self.path)
                 out[name] = tensor
+        finally:
+            os.close(fd)
         return out
 
 
@@ -260,8 +314,7 @@ def fits_in_place(out: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -
     )
 
 
-def _read_into(f: object, offset: int, view: memoryview, path: Path) -> None:
-    fd = f.fileno()  # type: ignore[attr-defined]
+def _read_into(fd: int, offset: int, view: memoryview, path: Path) -> None:
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done : done + _CHUNK]], offset + done)
@@ -274,7 +327,9 @@ def _read_into(f: object, offset: int, view: memoryview, path: Path) -> None:
     _progress.advance(done)
 
 
-def _read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+def _read_header(fd: int, path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """The entries and ``__metadata__`` of the open file ``fd``, every field checked."""
+
     def corrupt(reason: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
             f"{path} is not a valid safetensors file ({reason}); the checkpoint step holding it "
@@ -282,46 +337,113 @@ def _read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
         )
 
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise corrupt("shorter than its 8-byte header length")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > size - 8 or header_len > 100 << 20:
-                raise corrupt(f"header length {header_len} does not fit a file of {size} bytes")
-            raw = f.read(header_len)
+        size = os.fstat(fd).st_size
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            raise corrupt("shorter than its 8-byte header length")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > size - 8 or header_len > MAX_HEADER_BYTES:
+            raise corrupt(
+                f"header length {header_len} does not fit a file of {size} bytes (at most "
+                f"{MAX_HEADER_BYTES} bytes of header are read)"
+            )
+        raw = os.pread(fd, header_len, 8)
+        if len(raw) < header_len:
+            raise corrupt(f"the file ends inside its {header_len}-byte header")
     except OSError as exc:
         raise CorruptCheckpointError(f"cannot read {path}: {exc}") from exc
     try:
         header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-    except (ValueError, UnicodeDecodeError) as exc:
+    except RecursionError:
+        raise corrupt("header is nested too deeply to be a safetensors header") from None
+    except ValueError as exc:  # UnicodeDecodeError included
         raise corrupt(f"header is not valid JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise corrupt(f"header is a JSON {type(header).__name__}, not an object")
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    elif not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise corrupt("__metadata__ is not an object of strings")
     data_start = 8 + header_len
-    metadata = header.pop("__metadata__", None) or {}
-    entries: dict[str, TensorEntry] = {}
-    for name, info in header.items():
-        try:
-            dtype = NAME_TO_DTYPE[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise corrupt(f"entry {name!r} is malformed: {exc}") from exc
-        if (
-            any(d < 0 for d in shape)
-            or end - begin != math.prod(shape) * dtype.itemsize
-            or begin < 0
-        ):
-            raise corrupt(f"entry {name!r} has offsets {begin}..{end} that do not fit {shape}")
-        if data_start + end > size:
-            raise corrupt(
-                f"entry {name!r} ends at byte {data_start + end} but the file has {size} bytes "
-                "(truncated)"
-            )
-        entries[name] = TensorEntry(name, dtype, shape, data_start + begin, data_start + end)
+    data_size = size - data_start
+    entries = {
+        name: _entry(name, info, data_start, data_size, corrupt) for name, info in header.items()
+    }
+    _check_coverage(entries.values(), data_start, size, corrupt)
     return entries, metadata
+
+
+def _entry(
+    name: str,
+    info: object,
+    data_start: int,
+    data_size: int,
+    corrupt: Callable[[str], CorruptCheckpointError],
+) -> TensorEntry:
+    """One header entry, checked against the schema and the file's size."""
+    if not isinstance(info, dict):
+        raise corrupt(f"entry {name!r:.80} is a JSON {type(info).__name__}, not an object")
+    named = info.get("dtype")
+    dtype = NAME_TO_DTYPE.get(named) if isinstance(named, str) else None
+    if dtype is None:
+        raise corrupt(
+            f"entry {name!r:.80} has dtype {named!r:.40}, not one of {', '.join(NAME_TO_DTYPE)}"
+        )
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise corrupt(f"entry {name!r:.80} has shape {shape!r:.80}, not a list of integers >= 0")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_count, offsets)):
+        raise corrupt(f"entry {name!r:.80} has data_offsets {offsets!r:.80}, not two integers >= 0")
+    begin, end = offsets
+    if not begin <= end <= data_size:
+        raise corrupt(
+            f"entry {name!r:.80} has data_offsets {begin}..{end} outside the file's "
+            f"{data_size}-byte data section (truncated?)"
+        )
+    if _nbytes(shape, dtype.itemsize, limit=data_size) != end - begin:
+        raise corrupt(
+            f"entry {name!r:.80} has offsets {begin}..{end} that do not fit {dtype} {shape!r:.80}"
+        )
+    return TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _nbytes(shape: list[int], itemsize: int, *, limit: int) -> int:
+    """The bytes of a tensor of ``shape``, or ``limit + 1`` as soon as it exceeds ``limit``.
+
+    Never a product of thousands of huge numbers: a hostile shape costs one pass.
+    """
+    if 0 in shape:
+        return 0
+    total = itemsize
+    for dim in shape:
+        total *= dim
+        if total > limit:
+            return limit + 1
+    return total
+
+
+def _check_coverage(
+    entries: Iterable[TensorEntry],
+    data_start: int,
+    size: int,
+    corrupt: Callable[[str], CorruptCheckpointError],
+) -> None:
+    """The tensors cover the data section exactly: no gap, no overlap, nothing after them."""
+    position = data_start
+    for entry in sorted(entries, key=lambda e: (e.start, e.end)):
+        if entry.start != position:
+            raise corrupt(
+                f"tensor {entry.name!r:.80} starts at byte {entry.start}, expected {position}: "
+                "overlapping or gapped data"
+            )
+        position = entry.end
+    if position != size:
+        raise corrupt(f"its tensors end at byte {position}, the file has {size}")
 
 
 def create_file(path: Path, header: bytes, data_size: int) -> None:
@@ -337,14 +459,4 @@ def create_file(path: Path, header: bytes, data_size: int) -> None:
 
 def read_range(fd: int, offset: int, view: memoryview, path: Path) -> None:
     """Fill ``view`` from absolute file ``offset`` of ``fd``; a short file names ``path``."""
-    _read_into(_Fd(fd), offset, view, path)
-
-
-class _Fd:
-    """Adapts a raw descriptor to the ``fileno()`` interface :func:`_read_into` expects."""
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-
-    def fileno(self) -> int:
-        return self._fd
+    _read_into(fd, offset, view, path)

@@ -315,7 +315,7 @@ def read_local(
                 f"{reader.path}: rows {first}..{first + rows} of {name!r} lie outside its "
                 f"{entry.shape[0]} saved rows; the step does not fit this model"
             )
-        fd = os.open(reader.path, os.O_RDONLY)
+        fd = reader.open()  # the file whose header was checked
         try:
             read_range(fd, start, view, reader.path)
         finally:

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 
 import torch
 
+from orbit_pt._format.safetensors import check_storable
+
 
 class StagingPool:
     """Host buffers for one item's tensors, by name."""
@@ -30,7 +32,13 @@ class StagingPool:
         self._in_use.clear()
 
     def copy(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A host copy of ``tensor`` in the buffer reserved for ``name``."""
+        """A host copy of ``tensor`` in the buffer reserved for ``name``.
+
+        Raises:
+            CheckpointTypeError, CheckpointValueError: a tensor with no dense bytes to copy
+                (sparse, nested, quantized, meta), named -- as a synchronous save refuses it.
+        """
+        check_storable(name, tensor)
         source = tensor.detach()
         buffer = self._buffers.get(name)
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:

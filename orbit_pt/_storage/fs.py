@@ -4,8 +4,9 @@ Everything orbit_pt makes appear -- a committed step, an exported model folder, 
 retention record -- is written under a temporary name, made durable, and renamed into place
 with :func:`replace_durably`, so that it appears whole or not at all. :func:`staged_folder` is
 that whole sequence for a folder written in one go; the commit of a step runs the same three
-steps (:func:`fresh_folder`, :func:`fsync_tree`, :func:`replace_durably`) across the ranks'
-agreement phases (``_storage/store.py``).
+steps (:func:`fresh_folder`, :func:`fsync_tree`, then the rename and the fsync of its folder)
+across the ranks' agreement phases (``_storage/store.py``), keeping the rename and that fsync
+apart: an error between them leaves the step committed, and must be reported so.
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ def fsync_path(path: Path) -> None:
 
 
 def fsync_tree(root: Path) -> None:
-    """fsync every file and folder under ``root`` (folders after their contents), then ``root``."""
-    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
+    """fsync every file and folder under ``root`` (folders after their contents), then ``root``.
+
+    A folder that cannot be listed raises: its files would otherwise go unflushed, silently.
+    """
+    for dirpath, _dirnames, filenames in os.walk(root, topdown=False, onerror=_raise):
         for filename in filenames:
             fsync_path(Path(dirpath) / filename)
         fsync_path(Path(dirpath))
@@ -95,11 +99,18 @@ def staged_folder(tmp: Path, final: Path) -> Iterator[Path]:
 
 
 def iter_files(root: Path) -> Iterator[Path]:
-    """Every regular file under ``root``, in a stable order, as paths relative to ``root``."""
-    for dirpath, dirnames, filenames in os.walk(root):
+    """Every regular file under ``root``, in a stable order, as paths relative to ``root``.
+
+    A folder that cannot be listed raises (``os.walk`` would skip it without a word).
+    """
+    for dirpath, dirnames, filenames in os.walk(root, onerror=_raise):
         dirnames.sort()
         for filename in sorted(filenames):
             yield (Path(dirpath) / filename).relative_to(root)
+
+
+def _raise(error: OSError) -> None:
+    raise error
 
 
 def remove_tree(path: Path) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -26,6 +27,7 @@ from typing import Literal
 
 from orbit_pt._format import checksum as _checksum
 from orbit_pt._format import progress as _progress
+from orbit_pt._format import safe_open as _safe_open
 from orbit_pt._storage import layout as _layout
 from orbit_pt.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from orbit_pt.metadata import FileMetadata, StepMetadata
@@ -42,10 +44,17 @@ EntryKind = Literal["committed", "temporary", "deleting", "superseded", "foreign
 """
 
 Defect = Literal[
-    "not-a-step-name", "link", "not-a-folder", "no-metadata", "bad-metadata", "other-step"
+    "not-a-step-name",
+    "link",
+    "not-a-folder",
+    "no-metadata",
+    "bad-metadata",
+    "other-step",
+    "unreadable",
 ]
 """Why a foreign entry is not a committed step (``bad-metadata`` and ``other-step`` are worth a
-warning: someone wrote or renamed a step folder by hand)."""
+warning: someone wrote or renamed a step folder by hand; ``unreadable``: this process may not
+look inside it, e.g. another user's folder)."""
 
 Identity = tuple[int, int, int]
 """The inode, size and modification time of a metadata file: a rescan re-reads only changed ones."""
@@ -110,20 +119,34 @@ def scan_root(
         known: step -> (identity, metadata) from an earlier scan; a step whose metadata file
             still has that identity is not read again.
 
-    The root's own files (its lock, its retention record) are not entries.
+    The root's own files (its lock, its retention record) are not entries. An entry this
+    process may not examine (another user's folder: a permission error) is a foreign
+    ``unreadable`` entry, never an error: one such folder must not hide the others.
+
+    Raises:
+        CheckpointError: the root cannot be listed, or reading an entry failed otherwise than
+            by a permission error (EIO, ...): a listing that silently left out a committed step
+            would be wrong, so there is none.
     """
     entries: list[RootEntry] = []
     # A list, not a context manager: the whole listing is taken at once, before any metadata
     # is read (and tests replace os.scandir with a plain iterator).
-    for item in _list(root):
+    try:
+        listing = _list(root)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot list the checkpoint root {root}: {exc}; it must be a folder this process "
+            "may read (and the disk must answer)"
+        ) from exc
+    for item in listing:
         if item.name in _layout.ROOT_FILES:
             continue
         path = Path(item.path)
-        if item.name == _layout.SUPERSEDED_DIR and item.is_dir(follow_symlinks=False):
+        if item.name == _layout.SUPERSEDED_DIR and _is_folder(item):
             if superseded:
                 entries.extend(_scan_superseded(path))
             continue
-        entries.append(_classify(item.name, path, item, known or {}))
+        entries.append(_examine(root, item.name, path, item, known or {}))
     entries.sort(key=lambda e: (e.kind == "superseded", -1 if e.step is None else e.step, e.name))
     return entries
 
@@ -133,7 +156,7 @@ def step_entry(root: Path, step: int) -> RootEntry | None:
     path = root / _layout.step_name(step)
     if not os.path.lexists(path):
         return None
-    return _classify(path.name, path, _Lstat(path), {})
+    return _examine(root, path.name, path, None, {})
 
 
 def committed_entry(root: Path, step: int) -> RootEntry:
@@ -191,6 +214,34 @@ def _list(folder: Path) -> list[os.DirEntry[str]]:
         return []
 
 
+def _is_folder(item: os.DirEntry[str]) -> bool:
+    """Whether ``item`` is a folder itself (not a link); False when that cannot be told."""
+    try:
+        return item.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
+
+
+def _examine(
+    root: Path,
+    name: str,
+    path: Path,
+    item: os.DirEntry[str] | None,
+    known: Mapping[int, tuple[Identity, StepMetadata]],
+) -> RootEntry:
+    """:func:`_classify`, with its errors sorted: refused is unreadable, anything else raises."""
+    try:
+        return _classify(name, path, item if item is not None else _Lstat(path), known)
+    except PermissionError as exc:  # EACCES, EPERM: another user's folder
+        return _unreadable(name, path, exc)
+    except OSError as exc:
+        raise CheckpointError(
+            f"reading {path} failed: {exc}; the committed steps of {root} cannot be listed "
+            "without it (a failing disk or file system?). Try again, and check the disk if it "
+            "persists"
+        ) from exc
+
+
 def _classify(
     name: str,
     path: Path,
@@ -219,11 +270,16 @@ def _classify(
     if not is_folder:
         return _foreign(name, path, step, "not-a-folder", "a file, not a step folder")
     meta_path = path / _layout.METADATA_FILE
-    identity = _identity(meta_path)
+    try:
+        info = meta_path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        info = None
+    # Any other OSError (a folder this user may not enter, EIO) goes up: "unreadable".
+    identity = _identity(meta_path) if info is not None else None
     cached = known.get(step)
     if cached is not None and identity is not None and cached[0] == identity:
         return RootEntry(name, path, "committed", step, cached[1], identity=identity)
-    if not meta_path.is_file():
+    if info is None or not stat.S_ISREG(info.st_mode):
         return _foreign(
             name,
             path,
@@ -233,7 +289,10 @@ def _classify(
             "stopped early); not a step",
         )
     try:
-        meta = StepMetadata.read(meta_path)
+        # As StepMetadata.read (a regular file, never a link), but an OSError goes up: it is
+        # not the metadata's fault (see _examine).
+        data = _safe_open.read_bytes(meta_path, limit=_safe_open.MAX_JSON_BYTES, nofollow=True)
+        meta = StepMetadata.from_json(data, path=meta_path)
     except CorruptCheckpointError as exc:
         return _foreign(name, path, step, "bad-metadata", f"unreadable metadata: {exc}")
     if meta.step != step:
@@ -252,18 +311,38 @@ def _foreign(name: str, path: Path, step: int, defect: Defect, reason: str) -> R
     return RootEntry(name, path, "foreign", step, reason=reason, defect=defect)
 
 
+def _unreadable(name: str, path: Path, exc: OSError) -> RootEntry:
+    """An entry that could not be examined: foreign, whatever its name says."""
+    why = exc.strerror or str(exc)
+    step = _layout.parse_step_name(name)
+    return RootEntry(
+        name,
+        path,
+        "foreign",
+        step,
+        reason=f"this process may not look inside it ({why}: another user's?); not a step",
+        defect="unreadable",
+    )
+
+
 def _scan_superseded(folder: Path) -> Iterator[RootEntry]:
-    for item in _list(folder):
+    try:
+        items = _list(folder)
+    except OSError as exc:
+        # Only listed, never a step: an unreadable superseded/ hides nothing that counts.
+        yield _unreadable(_layout.SUPERSEDED_DIR, folder, exc)
+        return
+    for item in items:
         name = f"{_layout.SUPERSEDED_DIR}/{item.name}"
         path = Path(item.path)
         step = _layout.parse_superseded_name(item.name)
-        if step is None or not item.is_dir(follow_symlinks=False):
+        if step is None or not _is_folder(item):
             yield RootEntry(
                 name, path, "foreign", None, reason="not an orbit_pt name", defect="not-a-step-name"
             )
             continue
         meta: StepMetadata | None = None
-        with contextlib.suppress(CorruptCheckpointError):
+        with contextlib.suppress(CorruptCheckpointError, OSError):
             meta = StepMetadata.read(path / _layout.METADATA_FILE)
         if meta is not None and meta.step != step:
             meta = None  # not the step it was moved aside as: nothing of it is trusted
@@ -343,8 +422,8 @@ def check_listed_files(
             yield FileCheck(rel, step_dir / rel, "metadata", _OUTSIDE)
             continue
         path = step_dir / pure
-        if path.is_symlink() or (path.exists() and not path.is_file()):
-            yield FileCheck(rel, path, "not-a-file", "is not a regular file (a folder or a link)")
+        if (found := _safe_open.check_beneath(step_dir, pure.parts)) is not None:
+            yield FileCheck(rel, path, *found)  # a link on its way, a FIFO, a folder, EACCES
             continue
         try:
             size = path.stat().st_size

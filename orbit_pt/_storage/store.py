@@ -6,10 +6,18 @@ new one replaces into ``superseded/``, ``os.replace`` the folder to ``step_N/``,
 Which folders are committed steps is decided by ``_storage/root.py`` (a step-named folder, not a
 link, whose metadata is readable and names its step); so a crash at any instant leaves either
 the old set of steps or the new one.
+
+Errors (docs/reliability.md): the rename is the commit point, so an error after it (the root's
+fsync) leaves the step committed and raises :class:`~orbit_pt.errors.StepNotDurableError`; an
+error before it raises :class:`~orbit_pt.errors.CheckpointSaveError`. After any error while
+committing, superseding or deleting, the view of the committed steps is re-read from the root
+before the error is raised, and the error names the committed steps: the view never lists a step
+that the root does not hold, or misses one that it does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -18,6 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import filelock
 
@@ -35,12 +44,15 @@ from orbit_pt.errors import (
     CheckpointSaveError,
     CorruptCheckpointError,
     StepAlreadyExistsError,
+    StepNotDurableError,
     StepNotFoundError,
 )
 from orbit_pt.metadata import FileMetadata, ItemMetadata, StepMetadata
 
 logger = logging.getLogger(__name__)
 _MAIN = threading.main_thread()
+# Foreign step-named entries that someone should look at (see _storage/root.py's Defect).
+_WORTH_A_WARNING = ("bad-metadata", "other-step", "unreadable")
 
 WriteItems = Callable[[Path], dict[str, ItemMetadata]]
 BuildMetadata = Callable[[dict[str, ItemMetadata], dict[str, FileMetadata]], StepMetadata]
@@ -78,13 +90,22 @@ class StepStore:
         # step -> identity of the metadata file it was read from, so that a rescan re-reads a
         # step that another process replaced (a rollback) and no other.
         self._seen: dict[int, _root.Identity | None] = {}
-        if not read_only:
-            self.dist.run_everywhere(
-                "orbit_pt.open", lambda: self._open_writer(lock_timeout), label=f"opening {root}"
-            )
-            if remote is not None and self.dist.enabled:
-                self._check_shared_mirror()
-        self.rescan()
+        self._warned: set[tuple[str, str]] = set()  # (entry, reason) already logged
+        try:
+            if not read_only:
+                self.dist.run_everywhere(
+                    "orbit_pt.open",
+                    lambda: self._open_writer(lock_timeout),
+                    label=f"opening {root}",
+                )
+                if remote is not None and self.dist.enabled:
+                    self._check_shared_mirror()
+            self.rescan()
+        except BaseException:
+            # Released here and now, not when the garbage collector finds the lock: the
+            # exception's traceback keeps this object alive, and a retry must not be refused.
+            self.close()
+            raise
 
     def _check_shared_mirror(self) -> None:
         """Every rank sees the mirror rank 0 uploads from (a rank's part must reach it)."""
@@ -112,26 +133,45 @@ class StepStore:
         self.dist.run_everywhere("orbit_pt.open.mirror", check, label=f"opening {self.describe()}")
 
     def _open_writer(self, lock_timeout: float) -> None:
+        """Rank 0: take the root's lock (and an object-store root's lease), then clean up.
+
+        Whatever fails after the lock is taken, :meth:`close` (called by ``__init__``) releases it.
+        """
         if not self.dist.is_primary:
             return
-        self.root.mkdir(parents=True, exist_ok=True)
-        lock = filelock.FileLock(self.root / _layout.LOCK_FILE, timeout=lock_timeout)
+        lock_path = self.root / _layout.LOCK_FILE
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot create the checkpoint root {self.root}: {exc}; pass a folder this "
+                "process may write, or open it with CheckpointManagerOptions(read_only=True) "
+                "to only read"
+            ) from exc
+        if lock_path.is_symlink():
+            # The lock is opened for writing: through a link that would be a file anywhere.
+            raise CheckpointError(
+                f"{lock_path} is a symbolic link; orbit_pt never writes through one. Remove "
+                "it (no writer holds a lock through a link) and open the root again"
+            )
+        lock = filelock.FileLock(lock_path, timeout=lock_timeout)
         try:
             lock.acquire()
         except filelock.Timeout:
             raise CheckpointLockedError(
                 f"another CheckpointManager is writing to {self.root} (it holds "
-                f"{self.root / _layout.LOCK_FILE}); close it first, or open this one with "
+                f"{lock_path}); close it first, or open this one with "
                 "CheckpointManagerOptions(read_only=True) to only read"
             ) from None
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot take the lock {lock_path} of {self.root}: {exc}; the root must be a "
+                "folder this process may write, or open it with "
+                "CheckpointManagerOptions(read_only=True) to only read"
+            ) from exc
         self._lock = lock
         if self.remote is not None:
-            try:
-                self.remote.acquire_lease()
-            except BaseException:
-                lock.release()
-                self._lock = None
-                raise
+            self.remote.acquire_lease()
             self.remote.remove_leftovers(self.remote.committed())
         self._remove_leftovers()
 
@@ -147,21 +187,69 @@ class StepStore:
             with self._mutex:
                 self._scan()
             return
-        table = None
+        shared: dict[str, Any] | None = None
+        failure: Exception | None = None
         if self.dist.is_primary:
             with self._mutex:
+                try:
+                    self._scan()
+                    shared = {"view": self._table()}
+                except Exception as exc:  # the other ranks wait in the broadcast: tell them
+                    failure = exc
+                    shared = {"error": _reason(exc)}
+        shared = self.dist.broadcast(shared)
+        assert shared is not None
+        if failure is not None:
+            raise failure
+        if "error" in shared:
+            raise CheckpointError(f"listing {self.describe()} on rank 0 failed: {shared['error']}")
+        self._take_table(shared["view"])
+
+    def _table(self) -> dict[str, str]:
+        """The view as JSON-able data, for rank 0 to broadcast (under the mutex)."""
+        return {str(s): m.to_json().decode() for s, m in self._committed.items()}
+
+    def _take_table(self, table: dict[str, str] | None) -> None:
+        """On a rank other than 0: make rank 0's broadcast view (:meth:`_table`) this rank's."""
+        if self.dist.is_primary or table is None:
+            return
+        found = {
+            int(s): StepMetadata.from_json(
+                text.encode(), path=self.step_path(int(s)) / _layout.METADATA_FILE
+            )
+            for s, text in table.items()
+        }
+        with self._mutex:
+            self._committed = dict(sorted(found.items()))
+
+    def _rederive(self, gone: Iterable[int] = ()) -> list[int] | None:
+        """After a failure that may have changed the root: take the view from it again.
+
+        Rank 0 only. The steps in ``gone`` are known to have left the step namespace and are
+        dropped first, so the view is right about them even if the root cannot be listed now.
+        Returns the committed steps, or None when the root could not be listed (then the next
+        :meth:`rescan` catches up).
+        """
+        with self._mutex:
+            for step in gone:
+                self._forget(step)
+            try:
                 self._scan()
-                table = {str(s): m.to_json().decode() for s, m in self._committed.items()}
-        table = self.dist.broadcast(table)
-        if not self.dist.is_primary:
-            found = {
-                int(s): StepMetadata.from_json(
-                    text.encode(), path=self.step_path(int(s)) / _layout.METADATA_FILE
+            except Exception as exc:
+                logger.warning(
+                    "could not list %s again after a failure: %s; call reload() to see which "
+                    "steps are committed",
+                    self.describe(),
+                    exc,
                 )
-                for s, text in table.items()
-            }
-            with self._mutex:
-                self._committed = dict(sorted(found.items()))
+                return None
+            return list(self._committed)
+
+    def _forget(self, step: int) -> None:
+        """Drop ``step`` from the view (under the mutex)."""
+        self._committed.pop(step, None)
+        self._seen.pop(step, None)
+        self._remote_seen.pop(step, None)
 
     def _scan(self) -> None:
         if self.remote is not None:
@@ -180,11 +268,15 @@ class StepStore:
         """Make the committed entries of a scan the view (under the mutex)."""
         found: dict[int, StepMetadata] = {}
         seen: dict[int, _root.Identity | None] = {}
+        seen_once = self._warned
         for entry in entries:
             if entry.committed and entry.step is not None and entry.meta is not None:
                 found[entry.step], seen[entry.step] = entry.meta, entry.identity
-            elif entry.defect in ("bad-metadata", "other-step"):
-                # Someone wrote or renamed a step folder by hand: say where, so it can be found.
+            elif entry.defect in _WORTH_A_WARNING and (entry.name, entry.reason) not in seen_once:
+                # Someone wrote or renamed a step folder by hand, or another user's folder is
+                # in the root: say where (once per manager: a reader scans at every question),
+                # so it can be found; it is skipped, never fatal.
+                seen_once.add((entry.name, entry.reason))
                 logger.warning("ignoring %s: %s", entry.path, entry.reason)
         with self._mutex:
             self._committed = dict(sorted(found.items()))
@@ -318,54 +410,38 @@ class StepStore:
             raise  # nothing was written; the user must move the folder out of the way
         except BaseException as exc:
             if primary:
-                _fs.remove_tree(tmp)
+                self._discard(tmp)
             if not isinstance(exc, Exception) and threading.current_thread() is _MAIN:
                 raise  # KeyboardInterrupt: the peers were told; stop as the user asked
             raise CheckpointSaveError(step, tmp, _reason(exc)) from exc
-        # The commit point: rank 0 alone renames, then every rank learns the outcome from it.
-        outcome: dict[str, object] | None = None
+        # The commit point: rank 0 alone commits, then every rank learns the outcome from it.
+        outcome: dict[str, Any] | None = None
+        failure: BaseException | None = None
         if primary:
             assert meta is not None
-            try:
-                remote = self.remote
-                if remote is not None:
-                    # Replaced steps go first (their objects have the new step's keys), then
-                    # the files upload outside the mutex, so that readers keep answering.
-                    with self._mutex:
-                        superseded = self._supersede_from(step)
-                    written_meta = meta
-                    self._upload(step, lambda: remote.upload_files(step, tmp, written_meta))
-                with self._mutex:
-                    if remote is None:
-                        superseded = self._supersede_from(step)
-                    else:  # the commit point: the marker object
-                        self._upload(step, lambda: remote.put_marker(step, tmp))
-                    _fs.replace_durably(tmp, self.step_path(step))  # the commit point
-                    self._record(step, meta, superseded)
-                outcome = {"meta": meta.to_json().decode(), "superseded": superseded}
-            except BaseException as exc:
-                _fs.remove_tree(tmp)  # the rename did not happen: never leave a half step behind
-                if self.remote is not None:
-                    self._rescan_after_failure()
-                outcome = {"error": _reason(exc)}
-                dist.broadcast(outcome)
-                if not isinstance(exc, Exception):
-                    raise
-                raise CheckpointSaveError(
-                    step, tmp, f"committing on rank(s) [0]: {_reason(exc)}"
-                ) from exc
+            outcome, failure = self._publish(step, tmp, meta)
         outcome = dist.broadcast(outcome)
         assert outcome is not None
-        if "error" in outcome:
-            raise CheckpointSaveError(step, tmp, f"committing on rank(s) [0]: {outcome['error']}")
         if not primary:
-            meta = StepMetadata.from_json(
-                str(outcome["meta"]).encode(), path=self.step_path(step) / _layout.METADATA_FILE
-            )
-            victims = outcome["superseded"]
-            assert isinstance(victims, list)
-            with self._mutex:
-                self._record(step, meta, victims)
+            self._take_outcome(step, outcome)
+        if failure is not None and not isinstance(failure, Exception):
+            raise failure  # KeyboardInterrupt: the peers were told; stop as the user asked
+        if "error" in outcome:
+            raise CheckpointSaveError(
+                step,
+                tmp,
+                f"committing on rank(s) [0]: {outcome['error']}",
+                superseded=outcome["moved"],
+                committed=outcome["steps"],
+            ) from failure
+        if "not_durable" in outcome:
+            raise StepNotDurableError(
+                step,
+                self.step_path(step),
+                str(outcome["not_durable"]),
+                superseded=outcome["superseded"],
+                committed=outcome["steps"],
+            ) from failure
         if primary:
             assert meta is not None
             seconds = time.perf_counter() - started
@@ -380,19 +456,113 @@ class StepStore:
                 size / 1e9 / max(seconds, 1e-9),
             )
 
-    def _rescan_after_failure(self) -> None:
-        """After a failed commit, take the view from the store: whatever failed, it is right."""
+    def _publish(
+        self, step: int, tmp: Path, meta: StepMetadata
+    ) -> tuple[dict[str, Any], BaseException | None]:
+        """Rank 0: move the steps ``step`` replaces aside, commit it, and make that durable.
+
+        Returns the outcome every rank acts on (JSON-able) and what failed it (None when
+        nothing did); raises nothing. After a failure the view is re-read from the root, and
+        the outcome says exactly what is committed now: ``step`` itself when only making the
+        commit durable failed (``not_durable``), else which replaced steps had already been
+        moved into ``superseded/`` (``moved``) -- and the committed steps (``steps``; None when
+        the root could not be listed).
+        """
+        final = self.step_path(step)
+        moved: list[int] = []
+        superseded: list[int] = []
+        committed = False
         try:
-            with self._mutex:
-                self._scan()
-        except Exception as exc:  # the store is unreachable: the next reload() catches up
-            logger.warning("could not list %s after a failed save: %s", self.describe(), exc)
+            remote = self.remote
+            if remote is None:
+                with self._mutex:
+                    superseded = self._supersede_from(step, moved)
+                    os.replace(tmp, final)  # the commit point
+                    committed = True
+                    self._record(step, meta, superseded)
+                # Apart from the commit: a failure here leaves the step committed, not durable.
+                _fs.fsync_path(self.root)
+            else:
+                # Replaced steps go first (their objects have the new step's keys), then the
+                # files upload outside the mutex, so that readers keep answering.
+                with self._mutex:
+                    superseded = self._supersede_from(step, moved)
+                self._upload(step, lambda: remote.upload_files(step, tmp, meta))
+                with self._mutex:
+                    self._upload(step, lambda: remote.put_marker(step, tmp))  # the commit point
+                    committed = True
+                    self._keep_in_mirror(step, tmp, final)
+                    self._record(step, meta, superseded)
+            return {"meta": meta.to_json().decode(), "superseded": superseded}, None
+        except BaseException as exc:
+            failure = exc
+        if not committed:
+            self._discard(tmp)  # the commit did not happen: never leave a half step behind
+        steps = self._rederive(moved)
+        with self._mutex:
+            view = self._table() if steps is not None else None
+        if committed:
+            outcome: dict[str, Any] = {
+                "meta": meta.to_json().decode(),
+                "superseded": superseded,
+                "not_durable": _reason(failure),
+            }
+        else:
+            outcome = {"error": _reason(failure), "moved": moved}
+        outcome.update(steps=steps, view=view)
+        return outcome, failure
+
+    def _take_outcome(self, step: int, outcome: dict[str, Any]) -> None:
+        """On a rank other than 0: update the view from the outcome of rank 0's commit."""
+        with self._mutex:
+            for victim in outcome.get("moved", ()):
+                self._forget(victim)
+            if "meta" in outcome:
+                meta = StepMetadata.from_json(
+                    str(outcome["meta"]).encode(),
+                    path=self.step_path(step) / _layout.METADATA_FILE,
+                )
+                self._record(step, meta, list(outcome["superseded"]))
+        self._take_table(outcome.get("view"))
+
+    def _keep_in_mirror(self, step: int, tmp: Path, final: Path) -> None:
+        """An object-store step is committed: keep its files in the local mirror, a cache.
+
+        A failure only costs a download when the step is restored, so it is logged.
+        """
+        try:
+            _fs.replace_durably(tmp, final)
+        except OSError as exc:
+            logger.warning(
+                "step %d is committed to %s, but keeping its files in the local mirror %s "
+                "failed: %s; they are downloaded when the step is restored",
+                step,
+                self.describe(step),
+                final,
+                exc,
+            )
+            self._discard(tmp)
+
+    def _discard(self, tmp: Path) -> None:
+        """Remove the temporary folder of a step that was not committed; never raise.
+
+        Raising would hide the save's own error. What is left is not a step; a writer removes
+        it when it opens the root, and the next save of that step starts by removing it.
+        """
+        try:
+            _fs.remove_tree(tmp)
+        except OSError as exc:
+            logger.warning(
+                "could not remove %s, which holds nothing committed: %s; the next writer to "
+                "open %s removes it",
+                tmp,
+                exc,
+                self.root,
+            )
 
     def _record(self, step: int, meta: StepMetadata, superseded: list[int]) -> None:
         for victim in superseded:
-            self._committed.pop(victim, None)
-            self._seen.pop(victim, None)
-            self._remote_seen.pop(victim, None)
+            self._forget(victim)
         self._committed[step] = meta
         self._committed = dict(sorted(self._committed.items()))
         self._seen[step] = _root.metadata_identity(self.step_path(step))
@@ -494,11 +664,14 @@ class StepStore:
         _fs.fsync_path(tmp)
         return meta
 
-    def _supersede_from(self, step: int) -> list[int]:
+    def _supersede_from(self, step: int, moved: list[int]) -> list[int]:
         """Move ``step`` and every newer committed step into ``superseded/``, newest first.
 
         Newest first, so that a crash in the middle leaves a prefix of the old timeline: the
-        latest step is then some old step, never a gap, and every moved step is intact.
+        latest step is then some old step, never a gap, and every moved step is intact. Each
+        step leaves the view as it leaves the step namespace, and is appended to ``moved``; a
+        step that is no longer there at all (removed behind this manager's back) is dropped
+        from the view. Returns every step that left the view.
         """
         victims = sorted((s for s in self._committed if s >= step), reverse=True)
         if not victims:
@@ -512,11 +685,13 @@ class StepStore:
                 victims,
                 _layout.SUPERSEDED_DIR,
             )
-            self.remote.supersede(victims)
-            for victim in victims:  # no longer steps; their mirrored files go too
-                self._committed.pop(victim, None)
-                self._remote_seen.pop(victim, None)
-                _fs.remove_tree(self.step_path(victim))
+            for victim in victims:
+                self.remote.supersede([victim])
+                self._forget(victim)
+                moved.append(victim)
+                # No longer a step; its mirrored files go too (a leftover is removed at open).
+                with contextlib.suppress(OSError):
+                    _fs.remove_tree(self.step_path(victim))
             return victims
         logger.warning(
             "saving step %d in %s replaces committed step(s) %s: moving them to %s/ "
@@ -527,6 +702,11 @@ class StepStore:
             _layout.SUPERSEDED_DIR,
         )
         folder = self.root / _layout.SUPERSEDED_DIR
+        if folder.is_symlink() or (os.path.lexists(folder) and not folder.is_dir()):
+            raise CheckpointError(
+                f"{folder} is not a folder (a link or a file); orbit_pt moves replaced steps "
+                "only into a real superseded/ folder inside the root. Move it away and save again"
+            )
         folder.mkdir(exist_ok=True)
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
         for victim in victims:
@@ -535,46 +715,128 @@ class StepStore:
                 destination = folder / _layout.superseded_name(victim, stamp, n)
                 if not os.path.lexists(destination):
                     break
-            os.replace(self.step_path(victim), destination)
+            if self._rename_step(victim, destination):
+                moved.append(victim)
         _fs.fsync_path(folder)
         _fs.fsync_path(self.root)
         return victims
+
+    def _rename_step(self, step: int, destination: Path) -> bool:
+        """Rename committed ``step`` out of the step namespace (under the mutex).
+
+        Returns False when the step was no longer there (it is dropped from the view with a
+        warning: whoever removed it, a rollback or a retention pass must go on); any other
+        failure is raised, and the step stays.
+        """
+        path = self.step_path(step)
+        try:
+            os.replace(path, destination)
+        except FileNotFoundError:
+            if os.path.lexists(path):
+                raise
+            logger.warning(
+                "step %d is no longer in %s (removed by something other than this manager?); "
+                "dropping it from the list of committed steps",
+                step,
+                self.root,
+            )
+            self._forget(step)
+            return False
+        self._forget(step)
+        return True
 
     # ---------------------------------------------------------------------------------- delete
 
     def delete(self, steps: list[int], *, dist: Collective | None = None) -> None:
         """Delete committed steps: each is renamed out of the step namespace, then removed.
 
-        Collective under torch.distributed (rank 0 deletes, every rank updates its view).
+        A step that cannot be deleted does not stop the others. A step already gone from the
+        root is dropped from the view. After any failure the view is re-read from the root,
+        and one :class:`CheckpointError` names each step not deleted and the committed steps
+        now. Collective under torch.distributed (rank 0 deletes, every rank takes its view).
         """
-
         dist = dist if dist is not None else self.dist
-        deleted: list[int] = []
+        failures: dict[int, str] = {}
+        first: list[Exception] = []
 
         def remove() -> None:
             if not dist.is_primary:
                 return
             for step in steps:
-                doomed = self.root / (_layout.step_name(step) + _layout.DELETING_SUFFIX)
-                _fs.remove_tree(doomed)
-                with self._mutex:
-                    if self.remote is not None:
-                        self.remote.remove_step_objects(step)  # marker first: no step now
-                        self._remote_seen.pop(step, None)
-                    if os.path.lexists(self.step_path(step)) or self.remote is None:
-                        os.replace(self.step_path(step), doomed)
-                    self._committed.pop(step, None)
-                _fs.fsync_path(self.root)
-                deleted.append(step)  # out of the step namespace: no longer a step
-                _fs.remove_tree(doomed)
+                try:
+                    self._delete_one(step)
+                except Exception as exc:  # the next step is still deleted
+                    failures.setdefault(step, _reason(exc))
+                    first.append(exc)
 
+        outcome: dict[str, Any] | None = None
         try:
             dist.run_everywhere("orbit_pt.delete", remove, label=f"deleting steps {steps}")
         finally:
-            gone = dist.broadcast(deleted)
-            with self._mutex:
-                for step in gone:
-                    self._committed.pop(step, None)
+            if dist.is_primary:
+                now = self._rederive() if failures else None
+                with self._mutex:
+                    outcome = {
+                        "failures": {str(s): why for s, why in failures.items()},
+                        "gone": [s for s in steps if s not in self._committed],
+                        "steps": now if failures else list(self._committed),
+                        "view": self._table() if now is not None else None,
+                    }
+            outcome = dist.broadcast(outcome)
+            assert outcome is not None
+            if not dist.is_primary:
+                with self._mutex:
+                    for step in outcome["gone"]:
+                        self._forget(step)
+                self._take_table(outcome["view"])
+        if outcome["failures"]:
+            detail = "; ".join(f"step {s}: {why}" for s, why in outcome["failures"].items())
+            now = outcome["steps"]
+            raise CheckpointError(
+                f"deleting step(s) {sorted(map(int, outcome['failures']))} from "
+                f"{self.describe()} failed ({detail}); the other steps asked for are deleted, "
+                "and "
+                + (
+                    f"the committed steps are now {now}"
+                    if now is not None
+                    else "the root could not be listed again: call reload() to see its steps"
+                )
+            ) from (first[0] if first else None)
+
+    def _delete_one(self, step: int) -> None:
+        """Rank 0: take ``step`` out of the step namespace, then remove its files.
+
+        Once renamed it is no longer a step, whatever happens next: a failure to flush the
+        rename or to remove the files is logged, and what is left is removed when a writer next
+        opens the root.
+        """
+        doomed = self.root / (_layout.step_name(step) + _layout.DELETING_SUFFIX)
+        with self._mutex:
+            if self.remote is not None:
+                self.remote.remove_step_objects(step)  # marker first: no step now
+                self._forget(step)
+                if not os.path.lexists(self.step_path(step)):
+                    return  # nothing of it in the mirror
+            _fs.remove_tree(doomed)  # what an earlier failed deletion of this step left
+            if not self._rename_step(step, doomed):
+                return
+        try:
+            _fs.fsync_path(self.root)
+        except OSError as exc:  # a deletion that a power loss undoes is simply done again
+            logger.warning(
+                "could not flush the deletion of step %d in %s: %s", step, self.root, exc
+            )
+        try:
+            _fs.remove_tree(doomed)
+        except OSError as exc:
+            logger.warning(
+                "step %d is deleted from %s, but removing its files in %s failed: %s; the next "
+                "writer to open the root removes them",
+                step,
+                self.root,
+                doomed,
+                exc,
+            )
 
     # ------------------------------------------------------------------------------- lifecycle
 
@@ -587,19 +849,37 @@ class StepStore:
         remote = set(self.remote.committed()) if self.remote is not None else None
         for entry in _root.scan_root(self.root, superseded=False):
             stale = remote is not None and entry.committed and entry.step not in remote
-            if entry.kind in ("temporary", "deleting") or stale:
+            if not (entry.kind in ("temporary", "deleting") or stale):
+                continue
+            try:
                 _fs.remove_tree(entry.path)
-                removed.append(entry.name)
+            except OSError as exc:
+                # Not a step either way; a leftover that cannot go (another user's, a failing
+                # disk) must not keep the root from opening.
+                logger.warning(
+                    "could not remove the leftover %s in %s: %s; it is not a step and is left "
+                    "as it is",
+                    entry.path,
+                    self.root,
+                    exc,
+                )
+                continue
+            removed.append(entry.name)
         if removed:
-            _fs.fsync_path(self.root)
             logger.info("removed %d leftover folder(s) in %s: %s", len(removed), self.root, removed)
+            try:
+                _fs.fsync_path(self.root)
+            except OSError as exc:  # a removal undone by a power loss is removed again
+                logger.warning("could not flush %s after removing leftovers: %s", self.root, exc)
 
     def close(self) -> None:
-        if self.remote is not None:
-            self.remote.release_lease()
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        """Release the lease (object-store root) and the lock; each even if the other fails."""
+        with contextlib.ExitStack() as release:  # callbacks run last-in first-out
+            lock, self._lock = self._lock, None
+            if lock is not None:
+                release.callback(lock.release)
+            if self.remote is not None:
+                release.callback(self.remote.release_lease)
 
 
 def _reason(exc: BaseException) -> str:

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from orbit_pt._format.safe_open import read_json_object
 from orbit_pt._format.safetensors import SafetensorsReader
 from orbit_pt._format.sharding import is_dtensor
 from orbit_pt.errors import (
@@ -269,7 +270,7 @@ def base_folder(adapter_dir: Path, base: str | os.PathLike[str] | None = None) -
     if base is not None:
         path, origin = Path(base).expanduser(), f"base={str(base)!r}"
     else:
-        recorded = json.loads(config_path.read_bytes()).get("base_model_name_or_path")
+        recorded = read_json_object(config_path).get("base_model_name_or_path")
         if not recorded:
             raise CheckpointValueError(
                 f"{config_path} names no base model (base_model_name_or_path is null: the base "
@@ -311,7 +312,7 @@ def load_base(base: Path, adapter_dir: Path) -> torch.nn.Module:
         CheckpointValueError: no class could be found for the base.
     """
     transformers = _require("transformers", "loading the base model to merge an adapter into")
-    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_bytes())
+    config = read_json_object(adapter_dir / ADAPTER_CONFIG)
     cls = _base_class(transformers, config, base)
     model = cls.from_pretrained(str(base), local_files_only=True)
     if not isinstance(model, torch.nn.Module):  # pragma: no cover - transformers' contract

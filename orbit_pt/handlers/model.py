@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from orbit_pt._format.safe_open import read_json_object
 from orbit_pt._format.safetensors import (
     DTYPE_TO_NAME,
     HEADER_METADATA,
@@ -810,7 +811,7 @@ def open_model_folder(directory: Path) -> dict[str, SafetensorsReader]:
 
 def _read_index(path: Path) -> dict[str, str]:
     try:
-        document = json.loads(path.read_bytes())
+        document = read_json_object(path)  # a regular file; bounded size and nesting
         weight_map = document["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")

@@ -55,7 +55,7 @@ from orbit_pt.handlers._codec import (
     encode,
     materialize,
     pack,
-    read_structure,
+    read_optimizer_structure,
 )
 from orbit_pt.handlers._mismatch import class_name, load_state_dict
 from orbit_pt.handlers._optimizer_fit import Fit, fit, names_listed
@@ -198,7 +198,7 @@ class OptimizerHandler:
         return _StagedOptimizer(pack(structure), pieces, info)
 
     def restore(self, directory: Path, target: Any | None, context: HandlerContext) -> Any:
-        structure = read_structure(directory / STRUCTURE_FILE)
+        structure = read_optimizer_structure(directory / STRUCTURE_FILE)  # layout checked
         reader = SafetensorsReader(directory / TENSORS_FILE)
         check_refs(structure, reader, STRUCTURE_FILE)
         if target is None:
