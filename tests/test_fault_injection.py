@@ -50,6 +50,7 @@ from typing import Any
 
 import pytest
 import torch
+from _tally import Tally, printing_fixture
 from test_crash import PLANS, CrashServer, check_root, prepare, replay, run_saver
 
 from orbit_pt import (
@@ -68,50 +69,8 @@ REPO = WORKER.parents[1]
 # ------------------------------------------------------------------------------------ the tally
 
 
-@dataclass
-class Tally:
-    """Cases per fault class: tried, survived (every invariant held), failed."""
-
-    rows: dict[str, Counter[str]] = field(default_factory=dict)
-
-    def add(self, fault: str, *, ok: bool) -> None:
-        row = self.rows.setdefault(fault, Counter())
-        row["tried"] += 1
-        row["survived" if ok else "failed"] += 1
-
-    def lines(self) -> list[str]:
-        width = max((len(f) for f in self.rows), default=10)
-        out = [f"{'fault class':<{width}}  {'tried':>6}  {'survived':>8}  {'failed':>6}"]
-        for fault, row in self.rows.items():
-            out.append(
-                f"{fault:<{width}}  {row['tried']:>6}  {row['survived']:>8}  {row['failed']:>6}"
-            )
-        total = Counter[str]()
-        for row in self.rows.values():
-            total.update(row)
-        out.append(
-            f"{'total':<{width}}  {total['tried']:>6}  {total['survived']:>8}  {total['failed']:>6}"
-        )
-        return out
-
-
 TALLY = Tally()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _print_the_tally(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    if not TALLY.rows:
-        return
-    lines = ["", "fault injection tally (tests/test_fault_injection.py):"]
-    lines += ["  " + line for line in TALLY.lines()]
-    plugins = request.config.pluginmanager
-    reporter = plugins.get_plugin("terminalreporter")
-    capture = plugins.get_plugin("capturemanager")
-    # Past pytest's output capture, so that it shows without -s.
-    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        for line in lines:
-            reporter.write_line(line) if reporter is not None else print(line)
+_print_the_tally = printing_fixture(TALLY, "fault injection tally (tests/test_fault_injection.py)")
 
 
 # ----------------------------------------------------------------------------------- the state

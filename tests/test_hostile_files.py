@@ -39,9 +39,8 @@ import struct
 import subprocess
 import sys
 import tempfile
-from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -51,6 +50,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from _tally import Tally, printing_fixture
 
 from orbit_pt import (
     CheckpointError,
@@ -77,49 +77,8 @@ REPO = Path(__file__).resolve().parents[1]
 # ------------------------------------------------------------------------------------ the tally
 
 
-@dataclass
-class Tally:
-    """Checks per fault class: tried, survived (the promise held), failed."""
-
-    rows: dict[str, Counter[str]] = field(default_factory=dict)
-
-    def add(self, fault: str, *, ok: bool) -> None:
-        row = self.rows.setdefault(fault, Counter())
-        row["tried"] += 1
-        row["survived" if ok else "failed"] += 1
-
-    def lines(self) -> list[str]:
-        width = max((len(f) for f in self.rows), default=10)
-        out = [f"{'fault class':<{width}}  {'tried':>6}  {'survived':>8}  {'failed':>6}"]
-        total: Counter[str] = Counter()
-        for fault, row in self.rows.items():
-            total.update(row)
-            out.append(
-                f"{fault:<{width}}  {row['tried']:>6}  {row['survived']:>8}  {row['failed']:>6}"
-            )
-        out.append(
-            f"{'total':<{width}}  {total['tried']:>6}  {total['survived']:>8}  {total['failed']:>6}"
-        )
-        return out
-
-
 TALLY = Tally()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _print_the_tally(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    if not TALLY.rows:
-        return
-    lines = ["", "hostile files tally (tests/test_hostile_files.py):"]
-    lines += ["  " + line for line in TALLY.lines()]
-    plugins = request.config.pluginmanager
-    reporter = plugins.get_plugin("terminalreporter")
-    capture = plugins.get_plugin("capturemanager")
-    # Past pytest's output capture, so that it shows without -s.
-    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        for line in lines:
-            reporter.write_line(line) if reporter is not None else print(line)
+_print_the_tally = printing_fixture(TALLY, "hostile files tally (tests/test_hostile_files.py)")
 
 
 class Checks:

@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
@@ -159,9 +159,7 @@ class RemoteRoot:
                     "were written"
                 )
 
-        with ThreadPoolExecutor(max_workers=min(_UPLOAD_WORKERS, max(1, len(rels)))) as pool:
-            for future in [pool.submit(upload, rel) for rel in rels]:
-                future.result()
+        _each_in_parallel(upload, rels)
 
     def put_marker(self, step: int, folder: Path) -> None:
         """Put the step's metadata object: the commit point (after :meth:`upload_files`)."""
@@ -206,9 +204,7 @@ class RemoteRoot:
                 partial.unlink(missing_ok=True)
                 raise
 
-        with ThreadPoolExecutor(max_workers=min(_UPLOAD_WORKERS, max(1, len(rels)))) as pool:
-            for future in [pool.submit(fetch, rel) for rel in rels]:
-                future.result()
+        _each_in_parallel(fetch, rels)
 
     def remove_leftovers(self, committed: Iterable[int]) -> list[str]:
         """Remove objects of uncommitted steps and incomplete uploads a crashed writer left."""
@@ -346,6 +342,13 @@ class RemoteRoot:
         except ValueError:
             return {}
         return document if isinstance(document, dict) else {}
+
+
+def _each_in_parallel(fn: Callable[[str], None], names: Sequence[str]) -> None:
+    """``fn(name)`` for every name, several files at once; the first failure is raised."""
+    with ThreadPoolExecutor(max_workers=min(_UPLOAD_WORKERS, max(1, len(names)))) as pool:
+        for future in [pool.submit(fn, name) for name in names]:
+            future.result()
 
 
 def is_url(root: object) -> bool:

@@ -223,10 +223,10 @@ def _analyse(model: Any, state: Mapping[str, torch.Tensor]) -> HubLayout | None:
                 continue
             rows[key] = (templates, tensor.shape[0])
         sources.update(dict.fromkeys(alone, key))
-    for name in set(shapes) - set(sources):  # what the joint tensors make together
-        sources[name] = min(joint) if joint else ""
-    if not joint and set(sources) != set(shapes):  # pragma: no cover - defensive
+    unclaimed = set(shapes) - set(sources)  # what the joint tensors make together
+    if unclaimed and not joint:  # no tensor makes them: the conversions are not understood
         return None
+    sources.update(dict.fromkeys(unclaimed, min(joint, default="")))
     if joint:
         logger.info(
             "the Hub layout of %s converts %d tensor(s) only whole (e.g. %s): a sharded save "
