@@ -420,32 +420,34 @@ def sync_mirror(
         options["cache_dir"] = str(Path.home() / ".cache" / "orbit_pt" / "tools" / digest)
     mirror, remote = open_root(url, options)
     assert remote is not None
-    mirror.mkdir(parents=True, exist_ok=True)
-    committed = remote.committed()
-    for entry in os.scandir(mirror):
-        step = _layout.parse_step_name(entry.name)
-        if step is not None and step not in committed:
-            _fs.remove_tree(Path(entry.path))
-    for step, (_, meta) in committed.items():
-        folder = mirror / _layout.step_name(step)
-        folder.mkdir(exist_ok=True)
-        marker = folder / _layout.METADATA_FILE
-        if not marker.is_file() or marker.read_bytes() != meta.to_json():
-            marker.write_bytes(meta.to_json())
+    try:
+        mirror.mkdir(parents=True, exist_ok=True)
+        committed = remote.committed()
+        for entry in os.scandir(mirror):
+            step = _layout.parse_step_name(entry.name)
+            if step is not None and step not in committed:
+                _fs.remove_tree(Path(entry.path))
         latest = max(committed, default=None)
-        with_files = (
-            files is True
-            or (files is None and step == latest)
-            or (not isinstance(files, bool) and files == step)
-        )
-        if with_files:
-            wanted = [r for r, f in meta.files.items() if not _fs.has_size(folder / r, f.size)]
-            if wanted:
-                remote.download(step, wanted, folder)
-    record = remote.get_root_file(_layout.RETENTION_FILE)
-    if record is not None:
-        (mirror / _layout.RETENTION_FILE).write_bytes(record)
-    remote.store.close()
+        for step, (_, meta) in committed.items():
+            folder = mirror / _layout.step_name(step)
+            folder.mkdir(exist_ok=True)
+            marker, document = folder / _layout.METADATA_FILE, meta.to_json()
+            if not marker.is_file() or marker.read_bytes() != document:
+                marker.write_bytes(document)
+            with_files = (
+                files is True
+                or (files is None and step == latest)
+                or (not isinstance(files, bool) and files == step)
+            )
+            if with_files:
+                wanted = [r for r, f in meta.files.items() if not _fs.has_size(folder / r, f.size)]
+                if wanted:
+                    remote.download(step, wanted, folder)
+        record = remote.get_root_file(_layout.RETENTION_FILE)
+        if record is not None:
+            (mirror / _layout.RETENTION_FILE).write_bytes(record)
+    finally:
+        remote.store.close()
     return mirror
 
 
