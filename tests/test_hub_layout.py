@@ -9,6 +9,7 @@ restores into a plain, a meta-device and an FSDP2 model; under FSDP2 no rank gat
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -116,14 +117,23 @@ def test_the_model_folder_is_what_save_pretrained_writes(tmp_path: Path, kind: s
 
 def test_an_async_save_writes_the_values_of_the_moment_it_was_called(tmp_path: Path) -> None:
     """The expert tensors are converted from the staged copy, not from the live weights."""
+    changed = threading.Event()
+
+    class WritesAfterTheChange(ModelHandler):
+        def save(self, directory: Path, item: Any, context: HandlerContext) -> Any:
+            assert changed.wait(60)  # the live weights have changed before a byte is written
+            return super().save(directory, item, context)
+
     model = _model("mixtral")
     want = {k: v.clone() for k, v in model.state_dict().items()}
     options = CheckpointManagerOptions(async_save=True)
-    with CheckpointManager(tmp_path, options=options) as mgr:
+    handlers = {"model": WritesAfterTheChange()}
+    with CheckpointManager(tmp_path, options=options, handlers=handlers) as mgr:
         mgr.save(1, {"model": model})
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.add_(1.0)
+        changed.set()
         mgr.wait_until_finished()
         fresh = _model("mixtral", seed=1)
         mgr.restore(1, {"model": fresh})
