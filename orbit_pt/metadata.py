@@ -19,7 +19,7 @@ from orbit_pt._storage import layout as _layout
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
 
 FORMAT_NAME = "orbit_pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)

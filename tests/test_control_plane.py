@@ -281,7 +281,7 @@ def test_coverage_problems_are_named() -> None:
     """The coverage rule itself: exact tiling passes; holes, overlaps and overruns are named."""
     from orbit_pt._format.coverage import intervals, problems
 
-    assert intervals([(10, 5), (0, 10), (12, 1)]) == [[0, 15]]
+    assert intervals([[10, 15], [0, 10], [12, 13]]) == [[0, 15]]
     assert problems(20, {0: [[0, 10]], 1: [[10, 20]]}) == []
     assert problems(20, {0: [[0, 8]], 1: [[10, 20]]}) == ["bytes 8..10 were written by no rank"]
     assert problems(20, {0: [[0, 12]], 1: [[10, 20]]}) == [

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from orbit_pt._format import progress as _progress
-from orbit_pt._format.checksum import Checksum
+from orbit_pt._format.checksum import Hasher
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class RangeWriter:
         self,
         offset: int,
         views: Iterable[memoryview],
-        checksum: Checksum | None = None,
+        checksum: Hasher | None = None,
         *,
         size: int | None = None,
     ) -> None:
@@ -126,7 +126,7 @@ class RangeWriter:
         self._write_direct(offset + head, stream.take(body), checksum)
         self._pwrite(offset + head + body, stream.take(size - head - body), checksum)
 
-    def _pwrite(self, offset: int, chunks: Iterator[memoryview], checksum: Checksum | None) -> None:
+    def _pwrite(self, offset: int, chunks: Iterator[memoryview], checksum: Hasher | None) -> None:
         for chunk in chunks:
             if checksum is not None:
                 checksum.update(chunk)
@@ -135,7 +135,7 @@ class RangeWriter:
             _progress.advance(len(chunk))
 
     def _write_direct(
-        self, offset: int, chunks: Iterator[memoryview], checksum: Checksum | None
+        self, offset: int, chunks: Iterator[memoryview], checksum: Hasher | None
     ) -> None:
         """Write ``chunks`` (a multiple of the alignment in all) at the aligned ``offset``.
 

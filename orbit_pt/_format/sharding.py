@@ -218,20 +218,23 @@ def write_files(
                 size = len(f.header) + f.data_size
                 writer.write(0, itertools.chain([memoryview(f.header)], views), checksum, size=size)
                 _checksum.record(path, checksum.value())
-                _coverage.record(path, 0, size)
+                _coverage.record(path, 0, size, None)
             else:
+                # Each range's CRC-32C, computed as it is written: rank 0 combines the ranks'
+                # ranges into the file's checksum, so nobody reads the file back.
                 for entry, piece in mine:
                     data = tensor_bytes(_piece_bytes(entry, piece))
                     offset = entry.start + piece.row * _row_bytes(entry)
-                    writer.write(offset, [data])
-                    _coverage.record(path, offset, len(data))
+                    crc = _checksum.RangeChecksum()
+                    writer.write(offset, [data], crc)
+                    _coverage.record(path, offset, len(data), crc.crc)
         finally:
             writer.close()
 
 
 def _create(path: Path, f: PlannedFile) -> None:
     create_file(path, f.header, f.data_size)
-    _coverage.record(path, 0, len(f.header))
+    _coverage.record(path, 0, len(f.header), _checksum.crc_of(f.header))
 
 
 def _covers_file(f: PlannedFile, mine: Sequence[tuple[TensorEntry, Piece]]) -> bool:

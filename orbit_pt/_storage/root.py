@@ -465,7 +465,7 @@ def _compare_checksum(
         return FileCheck(rel, path, "checksum", str(exc), sized=True)
     with _counting(progress) as counter:
         try:
-            actual = _checksum.of_file(path)
+            actual = _checksum.of_file(path, _checksum.algorithm_of(recorded))
         except OSError as exc:
             detail = f"cannot be read: {exc}"
             return FileCheck(rel, path, "unreadable", detail, sized=True, bytes_read=counter.done)

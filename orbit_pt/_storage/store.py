@@ -616,8 +616,8 @@ class StepStore:
 
         report = {
             "checksums": {relative(p): c for p, c in checksums.items() if relative(p)},
-            "ranges": {
-                relative(p): _coverage.intervals(r) for p, r in ranges.items() if relative(p)
+            "segments": {
+                relative(p): _coverage.segments(r) for p, r in ranges.items() if relative(p)
             },
         }
         return written, report
@@ -635,24 +635,31 @@ class StepStore:
         if not primary:
             return None
         recorded: dict[str, str] = {}
-        by_file: dict[str, dict[int, list[list[int]]]] = {}
+        by_file: dict[str, dict[int, _coverage.Segments]] = {}
         for rank, report in enumerate(reports):
             recorded.update(report["checksums"])
-            for name, intervals in report["ranges"].items():
-                by_file.setdefault(name, {})[rank] = intervals
+            for name, segments in report["segments"].items():
+                by_file.setdefault(name, {})[rank] = segments
         files = {}
         for rel in _fs.iter_files(tmp):
             name = rel.as_posix()
             size = (tmp / rel).stat().st_size
-            wrong = _coverage.problems(size, by_file.pop(name, {})) if name in by_file else []
+            segments = by_file.pop(name, {})
+            by_rank = {rank: _coverage.intervals(segs) for rank, segs in segments.items()}
+            wrong = _coverage.problems(size, by_rank) if segments else []
             if wrong:
                 raise CheckpointError(
                     f"{name} of step {step} was not written exactly once by the ranks: "
                     f"{'; '.join(wrong[:5])}; this is a bug in the handler that wrote it (its "
                     "ranks disagree about who writes which rows), please report it"
                 )
-            # Small files and files written piecewise by several ranks are read back once.
-            checksum = recorded.get(name) or _checksum.of_file(tmp / rel)
+            # A file written in ranges gets its checksum from the ranges' CRCs; only small
+            # files that no writer recorded (a custom handler's) are read back.
+            checksum = (
+                recorded.get(name)
+                or (_coverage.fold(size, segments) if segments else None)
+                or _checksum.of_file(tmp / rel)
+            )
             files[name] = FileMetadata(size=size, checksum=checksum)
         if by_file:
             raise CheckpointError(
