@@ -403,22 +403,3 @@ def test_the_cli_reads_and_prunes_an_object_store_root(
     exported = _cli("export", root["url"], "3", str(tmp_path / "out"), *flags)
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "out" / "model.safetensors").is_file()
-
-
-def _unshared_mirrors(rank: int, world_size: int, url: str, options: dict[str, Any]) -> None:
-    from orbit_pt import CheckpointError
-
-    own = {**options, "cache_dir": f"{options['cache_dir']}-rank{rank}"}  # not shared
-    with pytest.raises(CheckpointError) as raised:
-        CheckpointManager(url, storage_options=own)
-    if rank == 0:
-        assert "rank(s) [1]" in str(raised.value), str(raised.value)
-    else:
-        assert "not shared with rank 0" in str(raised.value)
-
-
-def test_ranks_that_do_not_share_the_mirror_are_refused_at_open(root: dict[str, Any]) -> None:
-    """Only rank 1 fails the check; every rank raises, none hangs, nothing stays locked."""
-    run_ranks(2, _unshared_mirrors, root["url"], root["options"], timeout=180)
-    with CheckpointManager(root["url"], storage_options=root["options"]) as mgr:
-        assert mgr.all_steps() == []

@@ -204,6 +204,26 @@ class ObjectStore(Protocol):
     def abort_multipart_uploads(self, prefix: str) -> int:
         """Abort every incomplete multipart upload under ``prefix``; return how many."""
 
+    def start_upload(self, key: str) -> str:
+        """Start a multipart upload of ``key`` whose parts several processes may send;
+        return its upload id (for :meth:`upload_parts` and :meth:`complete_upload`)."""
+
+    def upload_parts(
+        self, key: str, upload_id: str, parts: Sequence[tuple[int, Callable[[], bytes]]]
+    ) -> builtins.list[dict[str, Any]]:
+        """Send ``(part number, read)`` parts of an upload, several at a time; ``read()``
+        produces a part's bytes in a worker thread, only when a slot is free. Returns each
+        part's record for :meth:`complete_upload`, in the order given."""
+
+    def complete_upload(
+        self, key: str, upload_id: str, parts: Sequence[Mapping[str, Any]], size: int
+    ) -> None:
+        """Complete an upload from every part's record (in any order); the object must then
+        hold ``size`` bytes."""
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """Abort an incomplete upload (its parts are deleted); never raises."""
+
     def close(self) -> None:
         """Release the client's connections; the store is unusable after."""
 
@@ -431,6 +451,24 @@ class S3fsStore:
     def abort_multipart_uploads(self, prefix: str) -> int:
         return self._run(self._abort_uploads, prefix)
 
+    def start_upload(self, key: str) -> str:
+        return self._run(self._start_upload, key)
+
+    def upload_parts(
+        self, key: str, upload_id: str, parts: Sequence[tuple[int, Callable[[], bytes]]]
+    ) -> builtins.list[dict[str, Any]]:
+        return self._run(self._upload_parts, key, upload_id, list(parts))
+
+    def complete_upload(
+        self, key: str, upload_id: str, parts: Sequence[Mapping[str, Any]], size: int
+    ) -> None:
+        ordered = sorted((dict(p) for p in parts), key=lambda p: int(p["PartNumber"]))
+        self._run(self._complete_and_check, key, upload_id, ordered, {}, size)
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        with contextlib.suppress(Exception):
+            self._run(self._abort_one, key, upload_id)
+
     def close(self) -> None:
         creator = getattr(self._fs, "_s3creator", None)
         if creator is not None:
@@ -504,29 +542,55 @@ class S3fsStore:
         condition: dict[str, str],
     ) -> None:
         part_size = max(part_size, -(-size // MAX_PARTS))
+        upload_id = await self._start_upload(key)
+
+        def reader(offset: int) -> Callable[[], bytes]:
+            def read_part() -> bytes:
+                n = min(part_size, size - offset)
+                data = read(n, offset)
+                if len(data) != n:
+                    raise ObjectStoreError(
+                        "upload",
+                        self.url(key),
+                        f"the source ended at {offset + len(data)} bytes, expected {size}: was "
+                        "it changed during the upload?",
+                    )
+                return data
+
+            return read_part
+
+        try:
+            jobs = [(n, reader(offset)) for n, offset in enumerate(range(0, size, part_size), 1)]
+            parts = await self._upload_parts(key, upload_id, jobs)
+            await self._complete_and_check(key, upload_id, parts, condition, size)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._call("abort_multipart_upload", Key=key, UploadId=upload_id)
+            raise
+
+    async def _abort_one(self, key: str, upload_id: str) -> None:
+        await self._call("abort_multipart_upload", Key=key, UploadId=upload_id)
+
+    async def _start_upload(self, key: str) -> str:
         created = await self._attempt(
             "start a multipart upload of",
             key,
             lambda: self._call("create_multipart_upload", Key=key, ChecksumAlgorithm="CRC32"),
         )
-        upload_id: str = created["UploadId"]
+        return str(created["UploadId"])
+
+    async def _upload_parts(
+        self, key: str, upload_id: str, jobs: builtins.list[tuple[int, Callable[[], bytes]]]
+    ) -> builtins.list[dict[str, Any]]:
         slots = asyncio.Semaphore(self.max_concurrency)
 
-        def read_part(n: int, offset: int) -> tuple[bytes, str]:
-            data = read(n, offset)
+        def read_part(read: Callable[[], bytes]) -> tuple[bytes, str]:
+            data = read()
             return data, _crc32(data)
 
-        async def part(number: int, offset: int) -> dict[str, Any]:
+        async def part(number: int, read: Callable[[], bytes]) -> dict[str, Any]:
             async with slots:  # read only as many parts as are in flight
-                n = min(part_size, size - offset)
-                data, checksum = await _off_loop(read_part, n, offset)
-                if len(data) != n:
-                    raise ObjectStoreError(
-                        "upload",
-                        self.url(key),
-                        f"the source ended at {offset + len(data)} "
-                        f"bytes, expected {size}: was it changed during the upload?",
-                    )
+                data, checksum = await _off_loop(read_part, read)
                 answer = await self._attempt(
                     f"upload part {number} of",
                     key,
@@ -541,14 +605,17 @@ class S3fsStore:
                 )
                 return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32": checksum}
 
-        try:
-            offsets = range(0, size, part_size)
-            parts = await _all(part(n, offset) for n, offset in enumerate(offsets, 1))
-            await self._complete(key, upload_id, parts, condition)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await self._call("abort_multipart_upload", Key=key, UploadId=upload_id)
-            raise
+        return await _all(part(number, read) for number, read in jobs)
+
+    async def _complete_and_check(
+        self,
+        key: str,
+        upload_id: str,
+        parts: builtins.list[dict[str, Any]],
+        condition: dict[str, str],
+        size: int,
+    ) -> None:
+        await self._complete(key, upload_id, parts, condition)
         info = await self._head(key)
         if info is None or info.size != size:
             got = "no object" if info is None else f"{info.size} bytes"

@@ -145,21 +145,20 @@ class RemoteRoot:
         Several files at once, each in parallel parts; each upload's size is confirmed.
         """
         self.check_lease()
-        rels = sorted(meta.files)
+        each_in_parallel(lambda rel: self.upload_file(step, rel, folder / rel), sorted(meta.files))
 
-        def upload(rel: str) -> None:
-            key = self.step_key(step, rel)
-            self.store.put_file(key, folder / rel)
-            info = self.store.head(key)
-            expected = meta.files[rel].size
-            if info is None or info.size != expected:
-                raise CheckpointError(
-                    f"uploading {rel} of step {step} to {self.describe(step)}: the store holds "
-                    f"{'nothing' if info is None else f'{info.size} bytes'} where {expected} "
-                    "were written"
-                )
-
-        _each_in_parallel(upload, rels)
+    def upload_file(self, step: int, rel: str, path: Path) -> None:
+        """Upload the file ``rel`` of ``step`` from ``path``; the stored size is confirmed."""
+        key = self.step_key(step, rel)
+        expected = path.stat().st_size
+        self.store.put_file(key, path)
+        info = self.store.head(key)
+        if info is None or info.size != expected:
+            raise CheckpointError(
+                f"uploading {rel} of step {step} to {self.describe(step)}: the store holds "
+                f"{'nothing' if info is None else f'{info.size} bytes'} where {expected} "
+                "were written"
+            )
 
     def put_marker(self, step: int, folder: Path) -> None:
         """Put the step's metadata object: the commit point (after :meth:`upload_files`)."""
@@ -204,7 +203,7 @@ class RemoteRoot:
                 partial.unlink(missing_ok=True)
                 raise
 
-        _each_in_parallel(fetch, rels)
+        each_in_parallel(fetch, rels)
 
     def remove_leftovers(self, committed: Iterable[int]) -> list[str]:
         """Remove objects of uncommitted steps and incomplete uploads a crashed writer left."""
@@ -344,7 +343,7 @@ class RemoteRoot:
         return document if isinstance(document, dict) else {}
 
 
-def _each_in_parallel(fn: Callable[[str], None], names: Sequence[str]) -> None:
+def each_in_parallel(fn: Callable[[str], None], names: Sequence[str]) -> None:
     """``fn(name)`` for every name, several files at once; the first failure is raised."""
     with ThreadPoolExecutor(max_workers=min(_UPLOAD_WORKERS, max(1, len(names)))) as pool:
         for future in [pool.submit(fn, name) for name in names]:

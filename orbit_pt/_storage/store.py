@@ -37,6 +37,7 @@ from orbit_pt._format import progress as _progress
 from orbit_pt._storage import fs as _fs
 from orbit_pt._storage import layout as _layout
 from orbit_pt._storage import root as _root
+from orbit_pt._storage import scattered as _scattered
 from orbit_pt._storage.remote import RemoteRoot
 from orbit_pt.errors import (
     CheckpointError,
@@ -82,6 +83,10 @@ class StepStore:
         # An object-store root: steps are committed there; ``root`` is the local mirror.
         self.remote = remote
         self._remote_seen: dict[int, tuple[str, StepMetadata]] = {}
+        # Ranks that do not all see one mirror (several machines) each write their part of a
+        # step into a folder of their own and upload it themselves (_storage/scattered.py).
+        self.scattered = False
+        self._write_root = root
         self._lock: filelock.BaseFileLock | None = None
         # Held for a whole rescan and around each change of the root and of the view, so that a
         # rescan (reload) never overwrites the view with a listing taken before a commit.
@@ -99,7 +104,7 @@ class StepStore:
                     label=f"opening {root}",
                 )
                 if remote is not None and self.dist.enabled:
-                    self._check_shared_mirror()
+                    self._find_shared_mirror()
             self.rescan()
         except BaseException:
             # Released here and now, not when the garbage collector finds the lock: the
@@ -107,30 +112,49 @@ class StepStore:
             self.close()
             raise
 
-    def _check_shared_mirror(self) -> None:
-        """Every rank sees the mirror rank 0 uploads from (a rank's part must reach it)."""
+    def _find_shared_mirror(self) -> None:
+        """Whether every rank sees the mirror rank 0 writes; if not, each rank gets its own.
+
+        With one mirror (one machine, or a shared filesystem) the ranks write a step together
+        into it and rank 0 uploads the files, which stay there as a cache. Without, every rank
+        writes into a private folder and uploads its own bytes (_storage/scattered.py).
+        """
         token = None
         if self.dist.is_primary:
             token = os.urandom(8).hex()
             _fs.write_file_atomically(self.root / _layout.MIRROR_TOKEN_FILE, token.encode())
         token = self.dist.broadcast(token)
 
-        def check() -> None:
-            path = self.root / _layout.MIRROR_TOKEN_FILE
+        def sees_it() -> bool:
             try:
-                seen = path.read_text()
+                return bool((self.root / _layout.MIRROR_TOKEN_FILE).read_text() == token)
             except OSError:
-                seen = None
-            if seen != token:
-                raise CheckpointError(
-                    f"the local mirror {self.root} of {self.describe()} is not shared with rank "
-                    "0 (this rank cannot see the file rank 0 just wrote there). Every rank "
-                    "writes its part of a step into the mirror and rank 0 uploads it, so on "
-                    "several machines pass storage_options={'cache_dir': PATH} with a folder on "
-                    "a filesystem every rank sees"
-                )
+                return False
 
-        self.dist.run_everywhere("orbit_pt.open.mirror", check, label=f"opening {self.describe()}")
+        _, seen = self.dist.agree(
+            "orbit_pt.open.mirror", sees_it, label=f"opening {self.describe()}", share=bool
+        )
+        if all(seen):
+            return
+        self.scattered = True
+        self._write_root = _scattered.private_root(self.root, self.dist.rank)
+
+        def fresh_private_folder() -> None:
+            # Only uncommitted parts of steps are ever in it: a crashed save's are removed.
+            _fs.remove_tree(self._write_root)
+            self._write_root.mkdir(parents=True)
+
+        self.dist.run_everywhere(
+            "orbit_pt.open.private", fresh_private_folder, label=f"opening {self.describe()}"
+        )
+        if self.dist.is_primary:
+            logger.info(
+                "the ranks of %s do not share the mirror %s (rank(s) %s cannot see it): each "
+                "rank writes its part of a step into a folder of its own and uploads it",
+                self.describe(),
+                self.root,
+                [rank for rank, ok in enumerate(seen) if not ok],
+            )
 
     def _open_writer(self, lock_timeout: float) -> None:
         """Rank 0: take the root's lock (and an object-store root's lease), then clean up.
@@ -385,9 +409,10 @@ class StepStore:
         rank fails the save on every rank, names the rank, and commits nothing.
         """
         dist = dist if dist is not None else self.dist
-        tmp = self.root / _layout.tmp_name(step)
+        tmp = self._write_root / _layout.tmp_name(step)
         started = time.perf_counter()
         primary = dist.is_primary
+        own = self.scattered  # every rank writes into, and cleans up, a folder of its own
         try:
             dist.run_everywhere(
                 "orbit_pt.save.prepare",
@@ -401,7 +426,7 @@ class StepStore:
                     label=f"writing step {step}",
                     share=lambda result: result[1],
                 )
-            meta, _ = dist.agree(
+            (meta, plan), _ = dist.agree(
                 "orbit_pt.save.finish",
                 lambda: self._finalize(step, tmp, written, reports, build_metadata, primary),
                 label=f"finishing step {step}",
@@ -409,7 +434,7 @@ class StepStore:
         except StepAlreadyExistsError:
             raise  # nothing was written; the user must move the folder out of the way
         except BaseException as exc:
-            if primary:
+            if primary or own:
                 self._discard(tmp)
             if not isinstance(exc, Exception) and threading.current_thread() is _MAIN:
                 raise  # KeyboardInterrupt: the peers were told; stop as the user asked
@@ -417,7 +442,9 @@ class StepStore:
         # The commit point: rank 0 alone commits, then every rank learns the outcome from it.
         outcome: dict[str, Any] | None = None
         failure: BaseException | None = None
-        if primary:
+        if own:
+            outcome, failure = self._publish_scattered(step, tmp, meta, plan, dist)
+        elif primary:
             assert meta is not None
             outcome, failure = self._publish(step, tmp, meta)
         outcome = dist.broadcast(outcome)
@@ -498,6 +525,17 @@ class StepStore:
             failure = exc
         if not committed:
             self._discard(tmp)  # the commit did not happen: never leave a half step behind
+        return self._failed_outcome(meta, committed, superseded, moved, failure), failure
+
+    def _failed_outcome(
+        self,
+        meta: StepMetadata,
+        committed: bool,
+        superseded: list[int],
+        moved: list[int],
+        failure: BaseException,
+    ) -> dict[str, Any]:
+        """What every rank learns after a failed publish: re-derived from the root."""
         steps = self._rederive(moved)
         with self._mutex:
             view = self._table() if steps is not None else None
@@ -510,7 +548,96 @@ class StepStore:
         else:
             outcome = {"error": _reason(failure), "moved": moved}
         outcome.update(steps=steps, view=view)
-        return outcome, failure
+        return outcome
+
+    def _publish_scattered(
+        self,
+        step: int,
+        tmp: Path,
+        meta: StepMetadata | None,
+        plan_doc: dict[str, Any] | None,
+        dist: Collective,
+    ) -> tuple[dict[str, Any] | None, BaseException | None]:
+        """Every rank: upload its own part of ``step``, then rank 0 commits (scattered.py).
+
+        Returns rank 0's outcome and failure as :meth:`_publish` does (None on other ranks);
+        raises nothing. Each rank removes its folder afterwards: its files are parts of files,
+        no cache.
+        """
+        remote = self.remote
+        assert remote is not None
+        primary = dist.is_primary
+        moved: list[int] = []
+        superseded: list[int] = []
+        committed = False
+        failure: BaseException | None = None
+        plan: _scattered.UploadPlan | None = None
+        started: dict[str, Any] | None = None
+        if primary:
+            assert meta is not None
+            assert plan_doc is not None
+            try:
+                plan = _scattered.UploadPlan.from_json(plan_doc)
+                with self._mutex:
+                    superseded = self._supersede_from(step, moved)
+                remote.check_lease()
+                for rel in plan.split:
+                    plan.upload_ids[rel] = remote.store.start_upload(remote.step_key(step, rel))
+                started = {"plan": plan.to_json()}
+            except BaseException as exc:
+                failure = exc
+                started = {"error": _reason(exc)}
+        started = dist.broadcast(started)
+        assert started is not None
+        if "plan" in started:
+            shared = _scattered.UploadPlan.from_json(started["plan"])
+            rank = dist.rank
+            try:
+                _, own = dist.agree(
+                    "orbit_pt.save.upload",
+                    lambda: _scattered.upload_own(remote, step, tmp, shared, rank),
+                    label=f"uploading step {step}",
+                    share=lambda records: records,
+                )
+                mixed: list[Any] = [[]]
+                if shared.has_mixed_parts:
+                    _, mixed = dist.agree(
+                        "orbit_pt.save.upload.mixed",
+                        lambda: _scattered.upload_mixed(remote, step, tmp, shared, rank),
+                        label=f"uploading the shared parts of step {step}",
+                        share=lambda records: records,
+                    )
+                if primary:
+                    assert meta is not None
+                    records = [r for rank_records in (*own, *mixed) for r in rank_records]
+                    _scattered.complete(remote, step, shared, records)
+                    with self._mutex:
+                        remote.put_marker(step, tmp)  # the commit point
+                        committed = True
+                        self._record(step, meta, superseded)
+            except BaseException as exc:
+                if failure is None:
+                    failure = exc
+        self._discard(tmp)
+        if not primary:
+            # An Exception is told to every rank in the outcome; a KeyboardInterrupt is re-raised.
+            return None, failure
+        assert meta is not None
+        if failure is None:
+            return {"meta": meta.to_json().decode(), "superseded": superseded}, None
+        if not committed:
+            if plan is not None:
+                _scattered.abort(remote, step, plan)
+            try:
+                remote.remove_step_objects(step)
+            except Exception as exc:  # the next writer's clean-up at open removes them
+                logger.warning(
+                    "could not remove the uploaded objects of uncommitted step %d from %s: %s",
+                    step,
+                    remote.describe(step),
+                    exc,
+                )
+        return self._failed_outcome(meta, committed, superseded, moved, failure), failure
 
     def _take_outcome(self, step: int, outcome: dict[str, Any]) -> None:
         """On a rank other than 0: update the view from the outcome of rank 0's commit."""
@@ -585,6 +712,9 @@ class StepStore:
             raise
 
     def _prepare(self, step: int, tmp: Path, *, primary: bool) -> None:
+        if self.scattered and not primary:
+            _fs.fresh_folder(tmp)
+            return
         if not primary:
             return
         final = self.step_path(step)
@@ -614,12 +744,23 @@ class StepStore:
             except ValueError:
                 return None  # outside the step: not ours to check
 
-        report = {
+        report: dict[str, Any] = {
             "checksums": {relative(p): c for p, c in checksums.items() if relative(p)},
             "segments": {
                 relative(p): _coverage.segments(r) for p, r in ranges.items() if relative(p)
             },
         }
+        if self.scattered:
+            # Nobody else sees this folder: say what is in it, with the checksum of every
+            # file that is whole here (small files a handler wrote without recording one).
+            files = {}
+            for rel in _fs.iter_files(tmp):
+                name = rel.as_posix()
+                checksum = report["checksums"].get(name)
+                if checksum is None and name not in report["segments"]:
+                    checksum = _checksum.of_file(tmp / rel)
+                files[name] = [(tmp / rel).stat().st_size, checksum]
+            report["files"] = files
         return written, report
 
     def _finalize(
@@ -630,20 +771,23 @@ class StepStore:
         reports: list[dict],
         build: BuildMetadata,
         primary: bool,
-    ) -> StepMetadata | None:
-        """Rank 0: check the ranks' writes, then write the metadata (not yet the commit)."""
+    ) -> tuple[StepMetadata | None, dict[str, Any] | None]:
+        """Rank 0: check the ranks' writes, then write the metadata (not yet the commit).
+
+        Returns the metadata and, when the ranks wrote into folders of their own, the plan of
+        who uploads what (JSON).
+        """
         if not primary:
-            return None
+            return None, None
         recorded: dict[str, str] = {}
         by_file: dict[str, dict[int, _coverage.Segments]] = {}
         for rank, report in enumerate(reports):
             recorded.update(report["checksums"])
             for name, segments in report["segments"].items():
                 by_file.setdefault(name, {})[rank] = segments
+        listed = self._listed_files(step, tmp, reports)
         files = {}
-        for rel in _fs.iter_files(tmp):
-            name = rel.as_posix()
-            size = (tmp / rel).stat().st_size
+        for name, (size, holders_checksum) in listed.items():
             segments = by_file.pop(name, {})
             by_rank = {rank: _coverage.intervals(segs) for rank, segs in segments.items()}
             wrong = _coverage.problems(size, by_rank) if segments else []
@@ -658,18 +802,59 @@ class StepStore:
             checksum = (
                 recorded.get(name)
                 or (_coverage.fold(size, segments) if segments else None)
-                or _checksum.of_file(tmp / rel)
+                or holders_checksum
+                or _checksum.of_file(tmp / name)
             )
             files[name] = FileMetadata(size=size, checksum=checksum)
-        if by_file:
+            if segments:
+                by_file[name] = segments  # kept for the upload plan
+        unknown = sorted(set(by_file) - set(listed))
+        if unknown:
             raise CheckpointError(
-                f"step {step}: ranks reported writing {sorted(by_file)}, which are not in "
+                f"step {step}: ranks reported writing {unknown}, which are not in "
                 f"{tmp}; a handler wrote outside its folder or deleted a file"
             )
         meta = build(written, files)
         _fs.write_file_durably(tmp / _layout.METADATA_FILE, meta.to_json())
         _fs.fsync_path(tmp)
-        return meta
+        if not self.scattered:
+            return meta, None
+        holders = {
+            name: [rank for rank, report in enumerate(reports) if name in report["files"]]
+            for name in listed
+        }
+        ranges = {
+            name: {rank: _coverage.intervals(segs) for rank, segs in segments.items()}
+            for name, segments in by_file.items()
+        }
+        sizes = {name: size for name, (size, _) in listed.items()}
+        return meta, _scattered.plan_upload(holders, sizes, ranges).to_json()
+
+    def _listed_files(
+        self, step: int, tmp: Path, reports: list[dict]
+    ) -> dict[str, tuple[int, str | None]]:
+        """Every file of the step: its size, and a checksum its rank computed (or None)."""
+        if not self.scattered:
+            return {
+                rel.as_posix(): ((tmp / rel).stat().st_size, None) for rel in _fs.iter_files(tmp)
+            }
+        listed: dict[str, tuple[int, str | None]] = {}
+        for rank, report in enumerate(reports):
+            for name, (size, checksum) in report["files"].items():
+                if name in listed and listed[name][0] != size:
+                    raise CheckpointError(
+                        f"{name} of step {step} has {listed[name][0]} bytes on one rank and "
+                        f"{size} on rank {rank}; ranks that write one file must agree on it"
+                    )
+                in_ranges = any(name in r["segments"] for r in reports)
+                if name in listed and not in_ranges and checksum != listed[name][1]:
+                    raise CheckpointError(
+                        f"{name} of step {step} was written with different contents by "
+                        f"several ranks (rank {rank} and an earlier one); a file that is "
+                        "not written in ranges must be written by one rank"
+                    )
+                listed.setdefault(name, (size, checksum))
+        return dict(sorted(listed.items()))
 
     def _supersede_from(self, step: int, moved: list[int]) -> list[int]:
         """Move ``step`` and every newer committed step into ``superseded/``, newest first.
