@@ -17,7 +17,8 @@ rounds are printed as a table with the ratios.
 
 With ``--fsdp-ranks N`` it instead saves an FSDP2 model from N gloo ranks and reports each
 rank's peak memory growth during the save (``VmHWM``, reset through ``/proc/self/clear_refs``)
-against its shard size.
+against its shard size. ``--scattered`` gives each rank a mirror of its own, as on separate
+machines: every rank then uploads its own rows as parts of the files.
 
 Run: ``.venv/bin/python benchmarks/s3_checkpoint.py --size-mb 256 --rounds 3``
 """
@@ -89,6 +90,8 @@ def _fsdp_rank(rank: int, world_size: int, port: int, url: str, options: dict, s
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if options.pop("scattered", False):
+        options = {**options, "cache_dir": f"{options['cache_dir']}-rank{rank}"}
     model = _model(size_mb)
     for layer in model:
         fully_shard(layer)
@@ -98,9 +101,11 @@ def _fsdp_rank(rank: int, world_size: int, port: int, url: str, options: dict, s
         mgr.save(0, {"model": model})  # warm-up: code paths, connections
         Path("/proc/self/clear_refs").write_text("5")
         before = _rss_mb("VmRSS")
+        started = time.perf_counter()
         mgr.save(1, {"model": model})
+        seconds = time.perf_counter() - started
         growth = _rss_mb("VmHWM") - before
-    Path(out, f"rank{rank}.txt").write_text(f"{shard:.0f} {growth:.0f}")
+    Path(out, f"rank{rank}.txt").write_text(f"{shard:.0f} {growth:.0f} {seconds:.2f}")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -113,6 +118,7 @@ def _fsdp(args: argparse.Namespace, endpoint: str, work: Path) -> None:
         "key": "testing",
         "secret": "testing",
         "cache_dir": str(work / "mirror"),
+        "scattered": args.scattered,
     }
     url = f"s3://bench/fsdp-{uuid.uuid4().hex[:8]}"
     mp.start_processes(
@@ -121,11 +127,12 @@ def _fsdp(args: argparse.Namespace, endpoint: str, work: Path) -> None:
         nprocs=args.fsdp_ranks,
         start_method="spawn",
     )
-    print(f"FSDP2 save of a {args.size_mb} MB model from {args.fsdp_ranks} ranks to S3")
-    print(f"{'rank':<6} {'shard MB':>9} {'peak growth MB':>15}")
+    how = "a mirror per rank (scattered)" if args.scattered else "one shared mirror"
+    print(f"FSDP2 save of a {args.size_mb} MB model from {args.fsdp_ranks} ranks to S3, {how}")
+    print(f"{'rank':<6} {'shard MB':>9} {'peak growth MB':>15} {'save s':>7}")
     for rank in range(args.fsdp_ranks):
-        shard, growth = Path(work, f"rank{rank}.txt").read_text().split()
-        print(f"{rank:<6} {shard:>9} {growth:>15}")
+        shard, growth, seconds = Path(work, f"rank{rank}.txt").read_text().split()
+        print(f"{rank:<6} {shard:>9} {growth:>15} {seconds:>7}")
 
 
 def _uploader(client, bucket, prefix, step_dir, config):  # type: ignore[no-untyped-def]
@@ -151,6 +158,7 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fsdp-ranks", type=int, default=0)
+    parser.add_argument("--scattered", action="store_true")
     args = parser.parse_args()
 
     import boto3
