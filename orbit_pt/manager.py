@@ -833,7 +833,7 @@ class CheckpointManager:
             if doomed:
                 logger.info("retention: deleting step(s) %s from %s", doomed, self.directory)
                 try:
-                    self._store.delete(doomed, dist=dist)
+                    self._store.delete(doomed, dist=dist, background=after_save)
                 except (CheckpointError, OSError) as exc:
                     if not after_save:
                         raise

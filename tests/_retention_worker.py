@@ -51,11 +51,16 @@ def arm(point: str, nth: int) -> None:
         if seen == nth and point == "after-rename":
             os._exit(CRASH_EXIT)
 
+    removed = 0
+
     def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
         # The store also clears a stale *.orbit-deleting folder before renaming (a no-op here):
-        # only the removal of a folder that exists counts.
+        # only the removal of a folder that exists counts. Removals run on a thread of their
+        # own, behind the renames: count them separately.
+        nonlocal removed
         doomed = point == "mid-rmtree" and str(path).endswith(DELETING) and Path(path).is_dir()
-        if doomed and seen == nth:
+        removed += doomed
+        if doomed and removed == nth:
             real_rmtree(Path(path) / "x")
             os._exit(CRASH_EXIT)
         real_rmtree(path, *args, **kwargs)

@@ -99,8 +99,13 @@ def assert_restores(mgr: CheckpointManager) -> None:
 
 
 def entries(root: Path) -> set[str]:
-    # The recorded retention options (for `orbit-pt ls`) are informational, never a step.
-    return {entry.name for entry in root.iterdir() if entry.name != ".orbit-retention.json"}
+    # The recorded retention options (for `orbit-pt ls`) are informational, never a step; a
+    # deleted step's files are removed on a thread of their own, shortly after the deletion.
+    return {
+        entry.name
+        for entry in root.iterdir()
+        if entry.name != ".orbit-retention.json" and not entry.name.endswith(".orbit-deleting")
+    }
 
 
 def step_folders(steps: Iterable[int]) -> set[str]:
@@ -885,16 +890,23 @@ def test_crash_during_retention(tmp_path: Path, point: str, nth: int) -> None:
     leftover = root / f"step_{crashed:08d}.orbit-deleting"
     assert leftover.is_dir() == half_deleted
 
-    # A reader that cleans nothing already never lists the half-deleted step.
+    # A reader that cleans nothing already never lists the half-deleted step. (The files of
+    # deleted steps are removed on a thread of their own: by the time that thread died in
+    # step nth - 1's files, retention may have taken later steps out too -- a suffix remains.)
     with open_manager(root, read_only=True) as reader:
-        assert reader.all_steps() == expected
+        listed = reader.all_steps()
+        if point == "mid-rmtree":
+            assert listed == expected[len(expected) - len(listed) :], (listed, expected)
+            assert listed[-1] == 4
+        else:
+            assert listed == expected
         assert_restores(reader)
     assert leftover.is_dir() == half_deleted
 
     # A writer cleans the leftover when it opens; every listed step restores.
     with open_manager(root, keep_last_n=1) as mgr:
         assert not leftover.exists()
-        assert mgr.all_steps() == expected
+        assert mgr.all_steps() == listed
         assert mgr.latest_step() == 4
         assert_restores(mgr)
         mgr.save(5, item(5))  # retention carries on where it stopped

@@ -24,6 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,10 @@ class StepStore:
         # step that another process replaced (a rollback) and no other.
         self._seen: dict[int, _root.Identity | None] = {}
         self._warned: set[tuple[str, str]] = set()  # (entry, reason) already logged
+        # Deleted steps' files are removed off the caller's path: once a step is renamed out
+        # of the step namespace (and that is flushed) it is gone, whatever happens to its files.
+        self._removals: dict[Path, Future[None]] = {}
+        self._remover: ThreadPoolExecutor | None = None
         try:
             if not read_only:
                 self.dist.run_everywhere(
@@ -939,8 +944,14 @@ class StepStore:
 
     # ---------------------------------------------------------------------------------- delete
 
-    def delete(self, steps: list[int], *, dist: Collective | None = None) -> None:
+    def delete(
+        self, steps: list[int], *, dist: Collective | None = None, background: bool = False
+    ) -> None:
         """Delete committed steps: each is renamed out of the step namespace, then removed.
+
+        With ``background`` (retention after a save), the files of the renamed steps are
+        removed on a thread of their own, off the training loop's path; otherwise before this
+        returns (whoever deletes by hand usually wants the disk space back).
 
         A step that cannot be deleted does not stop the others. A step already gone from the
         root is dropped from the view. After any failure the view is re-read from the root,
@@ -956,7 +967,7 @@ class StepStore:
                 return
             for step in steps:
                 try:
-                    self._delete_one(step)
+                    self._delete_one(step, background=background)
                 except Exception as exc:  # the next step is still deleted
                     failures.setdefault(step, _reason(exc))
                     first.append(exc)
@@ -995,7 +1006,7 @@ class StepStore:
                 )
             ) from (first[0] if first else None)
 
-    def _delete_one(self, step: int) -> None:
+    def _delete_one(self, step: int, *, background: bool) -> None:
         """Rank 0: take ``step`` out of the step namespace, then remove its files.
 
         Once renamed it is no longer a step, whatever happens next: a failure to flush the
@@ -1009,6 +1020,7 @@ class StepStore:
                 self._forget(step)
                 if not os.path.lexists(self.step_path(step)):
                     return  # nothing of it in the mirror
+            self._wait_for_removal(doomed)
             _fs.remove_tree(doomed)  # what an earlier failed deletion of this step left
             if not self._rename_step(step, doomed):
                 return
@@ -1018,6 +1030,17 @@ class StepStore:
             logger.warning(
                 "could not flush the deletion of step %d in %s: %s", step, self.root, exc
             )
+        if not background:
+            self._remove_deleted(step, doomed)
+            return
+        with self._mutex:
+            if self._remover is None:
+                self._remover = ThreadPoolExecutor(1, thread_name_prefix="orbit_pt-remove")
+            self._removals = {p: f for p, f in self._removals.items() if not f.done()}
+            self._removals[doomed] = self._remover.submit(self._remove_deleted, step, doomed)
+
+    def _remove_deleted(self, step: int, doomed: Path) -> None:
+        """On the removal thread: the files of a step that is already deleted."""
         try:
             _fs.remove_tree(doomed)
         except OSError as exc:
@@ -1029,6 +1052,11 @@ class StepStore:
                 doomed,
                 exc,
             )
+
+    def _wait_for_removal(self, doomed: Path) -> None:
+        pending = self._removals.pop(doomed, None)
+        if pending is not None:
+            pending.result()
 
     # ------------------------------------------------------------------------------- lifecycle
 
@@ -1065,7 +1093,13 @@ class StepStore:
                 logger.warning("could not flush %s after removing leftovers: %s", self.root, exc)
 
     def close(self) -> None:
-        """Release the lease (object-store root) and the lock; each even if the other fails."""
+        """Finish removing deleted steps' files, then release the lease (object-store root)
+        and the lock; each even if another fails."""
+        with self._mutex:
+            remover, self._remover = self._remover, None
+            self._removals = {}
+        if remover is not None:
+            remover.shutdown(wait=True)
         with contextlib.ExitStack() as release:  # callbacks run last-in first-out
             lock, self._lock = self._lock, None
             if lock is not None:
