@@ -18,7 +18,9 @@ from orbit_pt._control.background import BackgroundSaver
 from orbit_pt._control.collective import AgreedError, Collective
 from orbit_pt._control.preemption import PreemptionWatcher
 from orbit_pt._format import progress as _progress
+from orbit_pt._format import remote_files as _remote_files
 from orbit_pt._format import safe_open as _safe_open
+from orbit_pt._format.remote_files import RemoteFile
 from orbit_pt._storage import layout as _layout
 from orbit_pt._storage.remote import open_root
 from orbit_pt._storage.store import StepStore
@@ -33,7 +35,12 @@ from orbit_pt.errors import (
     ReadOnlyError,
 )
 from orbit_pt.handlers import Handler, HandlerContext, default_handler, handler_by_name
-from orbit_pt.handlers.base import FieldsHandler, StagingHandler, per_rank_error
+from orbit_pt.handlers.base import (
+    FieldsHandler,
+    RangeReadingHandler,
+    StagingHandler,
+    per_rank_error,
+)
 from orbit_pt.metadata import FileMetadata, ItemMetadata, StepMetadata, validate_metrics
 from orbit_pt.options import CheckpointManagerOptions
 from orbit_pt.policies import CheckpointInfo
@@ -636,14 +643,21 @@ class CheckpointManager:
             saved_world_size=meta.world_size,
             collective=self._dist,
         )
-        # An object-store step: into the local mirror, before the field checks read the items.
-        self._store.fetch(step, meta, [*targets, *(n for n in fields if n not in targets)])
-        self._check_fields(step, meta, targets, whole, fields, entries, context)
-        self._store.check_files(step, meta, checksums_of=targets if verify else ())
+        # An object-store step: its small files into the local mirror, before the field checks
+        # read the items; the tensors of the handlers that can are read by range while
+        # loading, unless a verify reads every byte anyway (then the files are downloaded).
+        read = [*targets, *(n for n in fields if n not in targets)]
+        by_range = [] if verify else [n for n in read if _reads_by_range(handlers.get(n))]
+        remote = self._store.fetch(step, meta, read, by_range=by_range)
+        with _remote_files.reading(remote):
+            self._check_fields(step, meta, targets, whole, fields, entries, context)
+        self._store.check_files(
+            step, meta, items=read, checksums_of=targets if verify else (), remote=remote
+        )
         info = RestoreInfo(
             step=step, items=tuple(targets), missing=tuple(missing), excluded=tuple(entries)
         )
-        return _RestorePlan(step, meta, targets, handlers, fields, context, info)
+        return _RestorePlan(step, meta, targets, handlers, fields, context, info, remote)
 
     def _split_exclude(
         self,
@@ -744,6 +758,10 @@ class CheckpointManager:
             )
 
     def _restore_items(self, plan: _RestorePlan) -> dict[str, Any]:
+        with _remote_files.reading(plan.remote):
+            return self._restore_each(plan)
+
+    def _restore_each(self, plan: _RestorePlan) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name, target in plan.targets.items():
             item_dir = self._store.step_path(plan.step) / name
@@ -954,6 +972,8 @@ class _RestorePlan:
     fields: dict[str, set[str]]  # item -> its excluded fields
     context: HandlerContext
     info: RestoreInfo
+    # Files of an object-store step read by byte range from the store (``StepStore.fetch``).
+    remote: Mapping[Path, RemoteFile] = dataclasses.field(default_factory=dict)
 
 
 def _exclude_entries(exclude: object) -> list[str]:
@@ -989,6 +1009,11 @@ def _check_same_restore(shared: list[Any]) -> None:
             f"the ranks asked for different restores of step {steps[0]} ({detail}); pass the "
             "same items, exclude and missing_ok on every rank"
         )
+
+
+def _reads_by_range(handler: Handler | None) -> bool:
+    """Whether ``handler`` reads its ``.safetensors`` files by byte range (RangeReadingHandler)."""
+    return isinstance(handler, RangeReadingHandler) and handler.reads_by_range is True
 
 
 def _check_step(step: object) -> int:

@@ -108,6 +108,18 @@ class _Fault:
     method: str | None
     query: str | None
     status: int
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One answer the proxy relayed: the request, its ``Range`` header, and the body's size."""
+
+    method: str
+    path: str  # the request's path, without the query string
+    range: str | None
+    status: int
+    nbytes: int
 
 
 class FaultProxy:
@@ -119,7 +131,8 @@ class FaultProxy:
     (the server never sees it), and
     ``"drop_answer"`` relays the request and resets the connection instead of relaying the
     answer (the server acted; the client cannot know). Faults are consumed in the order they
-    were armed; requests that match none are relayed unchanged.
+    were armed; requests that match none are relayed unchanged, and recorded in
+    :attr:`transfers` (what a client downloaded, counted on the wire).
     """
 
     def __init__(self, upstream: S3Server) -> None:
@@ -130,6 +143,7 @@ class FaultProxy:
         self._faults: list[_Fault] = []
         self.requests: list[tuple[str, str]] = []  # (method, path?query) of every request
         self.injected: list[tuple[FaultAction, str, str]] = []  # (action, method, path?query)
+        self.transfers: list[Transfer] = []  # every answer relayed, in order
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _ProxyHandler)
         self._server.daemon_threads = True
         self._server.proxy = self  # type: ignore[attr-defined]
@@ -152,11 +166,13 @@ class FaultProxy:
         method: str | None = None,
         query: str | None = None,
         status: int = 500,
+        path: str | None = None,
     ) -> None:
-        """Fail the next ``times`` requests whose method is ``method`` and whose query string
-        has the parameter ``query`` (e.g. ``"partNumber"``); ``None`` matches any."""
+        """Fail the next ``times`` requests whose method is ``method``, whose query string
+        has the parameter ``query`` (e.g. ``"partNumber"``) and whose path ends with ``path``
+        (e.g. ``"model/model.safetensors"``); ``None`` matches any."""
         with self._lock:
-            self._faults.append(_Fault(action, times, method, query, status))
+            self._faults.append(_Fault(action, times, method, query, status, path))
 
     def clear(self) -> None:
         with self._lock:
@@ -177,6 +193,8 @@ class FaultProxy:
                 if fault.method is not None and fault.method != method:
                     continue
                 if fault.query is not None and fault.query not in params:
+                    continue
+                if fault.path is not None and not urlsplit(target).path.endswith(fault.path):
                     continue
                 fault.remaining -= 1
                 self.injected.append((fault.action, method, target))
@@ -238,6 +256,11 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 self.wfile.write(payload)
             return
         status, headers, data = self._forward(proxy, body)
+        transfer = Transfer(
+            self.command, urlsplit(self.path).path, self.headers.get("Range"), status, len(data)
+        )
+        with proxy._lock:
+            proxy.transfers.append(transfer)
         self.send_response_only(status)
         for name, value in headers:
             if name.lower() not in _HOP_BY_HOP:

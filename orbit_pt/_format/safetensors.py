@@ -20,6 +20,7 @@ covering the data section without gap or overlap), so that a hostile header is a
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import math
 import os
@@ -33,6 +34,7 @@ import torch
 
 from orbit_pt._format import checksum as _checksum
 from orbit_pt._format import progress as _progress
+from orbit_pt._format import remote_files as _remote_files
 from orbit_pt._format import safe_open as _safe_open
 from orbit_pt._format.direct_io import RangeWriter
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
@@ -241,38 +243,63 @@ class SafetensorsReader:
 
     The file is opened as ``_format.safe_open`` opens a checkpoint's files (a regular file; no
     link inside a step being restored), its header is checked, and every later read reopens
-    that same file (a file swapped in meanwhile is refused).
+    that same file (a file swapped in meanwhile is refused). A path that is read remotely in
+    this context (``_format.remote_files``: an object-store step being restored) is read by
+    byte range from there instead, and nothing of it is on the disk.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._remote = _remote_files.remote_file(path)
+        self._identity: _safe_open.Identity | None = None
+        if self._remote is not None:
+            remote = self._remote
+            self.where = remote.url
+
+            def read_remote(n: int, offset: int) -> bytes:
+                buffer = bytearray(n)
+                remote.read_into(offset, memoryview(buffer))
+                return bytes(buffer)
+
+            self.entries, self.metadata = _read_header(read_remote, remote.size, self.where)
+            return
+        self.where = str(path)
         try:
             fd = _safe_open.open_regular(path)
         except OSError as exc:
             raise CorruptCheckpointError(f"cannot read {path}: {exc}") from exc
         try:
             self._identity = _safe_open.identity_of(fd)
-            self.entries, self.metadata = _read_header(fd, path)
+            size = os.fstat(fd).st_size
+            self.entries, self.metadata = _read_header(
+                functools.partial(os.pread, fd), size, self.where
+            )
+        except OSError as exc:
+            raise CorruptCheckpointError(f"cannot read {path}: {exc}") from exc
         finally:
             os.close(fd)
 
     def keys(self) -> list[str]:
         return list(self.entries)
 
-    def open(self) -> int:
-        """A read-only descriptor of the file whose header was checked; the caller closes it."""
-        return _safe_open.reopen(self.path, self._identity)
+    def read_range(self, offset: int, view: memoryview) -> None:
+        """Fill ``view`` from absolute offset ``offset`` of the file whose header was checked."""
+        if self._remote is not None:
+            self._remote.read_into(offset, view)
+            _progress.advance(len(view))
+            return
+        fd = self._open()
+        try:
+            _read_into(fd, offset, view, self.path)
+        finally:
+            os.close(fd)
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read tensor ``name`` into ``out`` (same dtype and shape, contiguous CPU) or a new one."""
         entry = self.entries[name]
         if out is None:
             out = torch.empty(entry.shape, dtype=entry.dtype)
-        fd = self.open()
-        try:
-            _read_into(fd, entry.start, tensor_bytes(out), self.path)
-        finally:
-            os.close(fd)
+        self.read_range(entry.start, tensor_bytes(out))
         return out
 
     def read_into(self, name: str, target: torch.Tensor) -> torch.Tensor:
@@ -287,17 +314,27 @@ class SafetensorsReader:
         return target.copy_(self.read(name))
 
     def read_all(self) -> dict[str, torch.Tensor]:
-        """Every tensor, read in file order with one open file."""
-        out: dict[str, torch.Tensor] = {}
-        fd = self.open()
+        """Every tensor, read in file order (with one open file, when it is on the disk)."""
+        out = {
+            name: torch.empty(entry.shape, dtype=entry.dtype)
+            for name, entry in self.entries.items()
+        }
+        if self._remote is not None:
+            for name, entry in self.entries.items():
+                self.read_range(entry.start, tensor_bytes(out[name]))
+            return out
+        fd = self._open()
         try:
             for name, entry in self.entries.items():
-                tensor = torch.empty(entry.shape, dtype=entry.dtype)
-                _read_into(fd, entry.start, tensor_bytes(tensor), self.path)
-                out[name] = tensor
+                _read_into(fd, entry.start, tensor_bytes(out[name]), self.path)
         finally:
             os.close(fd)
         return out
+
+    def _open(self) -> int:
+        """A read-only descriptor of the file whose header was checked; the caller closes it."""
+        assert self._identity is not None
+        return _safe_open.reopen(self.path, self._identity)
 
 
 def fits_in_place(out: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> bool:
@@ -327,31 +364,35 @@ def _read_into(fd: int, offset: int, view: memoryview, path: Path) -> None:
     _progress.advance(done)
 
 
-def _read_header(fd: int, path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
-    """The entries and ``__metadata__`` of the open file ``fd``, every field checked."""
+def _read_header(
+    read: Callable[[int, int], bytes], size: int, where: str
+) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """The entries and ``__metadata__`` of a file of ``size`` bytes, every field checked.
+
+    ``read(n, offset)`` reads from the file (``os.pread`` of an open one, or a ranged request);
+    ``where`` names the file in messages.
+    """
 
     def corrupt(reason: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
-            f"{path} is not a valid safetensors file ({reason}); the checkpoint step holding it "
+            f"{where} is not a valid safetensors file ({reason}); the checkpoint step holding it "
             "is damaged -- restore another step"
         )
 
-    try:
-        size = os.fstat(fd).st_size
-        prefix = os.pread(fd, 8, 0)
-        if len(prefix) < 8:
-            raise corrupt("shorter than its 8-byte header length")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > size - 8 or header_len > MAX_HEADER_BYTES:
-            raise corrupt(
-                f"header length {header_len} does not fit a file of {size} bytes (at most "
-                f"{MAX_HEADER_BYTES} bytes of header are read)"
-            )
-        raw = os.pread(fd, header_len, 8)
-        if len(raw) < header_len:
-            raise corrupt(f"the file ends inside its {header_len}-byte header")
-    except OSError as exc:
-        raise CorruptCheckpointError(f"cannot read {path}: {exc}") from exc
+    if size < 8:
+        raise corrupt("shorter than its 8-byte header length")
+    prefix = read(8, 0)
+    if len(prefix) < 8:
+        raise corrupt("shorter than its 8-byte header length")
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > size - 8 or header_len > MAX_HEADER_BYTES:
+        raise corrupt(
+            f"header length {header_len} does not fit a file of {size} bytes (at most "
+            f"{MAX_HEADER_BYTES} bytes of header are read)"
+        )
+    raw = read(header_len, 8)
+    if len(raw) < header_len:
+        raise corrupt(f"the file ends inside its {header_len}-byte header")
     try:
         header = json.loads(raw)
     except RecursionError:
@@ -455,8 +496,3 @@ def create_file(path: Path, header: bytes, data_size: int) -> None:
     with open(path, "xb", buffering=0) as f:
         f.write(header)
         f.truncate(len(header) + data_size)
-
-
-def read_range(fd: int, offset: int, view: memoryview, path: Path) -> None:
-    """Fill ``view`` from absolute file ``offset`` of ``fd``; a short file names ``path``."""
-    _read_into(fd, offset, view, path)

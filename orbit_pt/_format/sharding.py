@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,7 +40,6 @@ from orbit_pt._format.safetensors import (
     TensorEntry,
     create_file,
     fits_in_place,
-    read_range,
     tensor_bytes,
 )
 from orbit_pt._format.staging import StagingPool
@@ -301,7 +299,7 @@ def read_local(
             "from %s and keeping this rank's part",
             name,
             like.placements,
-            reader.path,
+            reader.where,
         )
         full = reader.read(name).to(like.to_local().device, like.dtype)
         local = distribute_tensor(
@@ -321,14 +319,10 @@ def read_local(
         start = entry.start + (first * _row_bytes(entry) if entry.shape else 0)
         if start + len(view) > entry.end:
             raise CorruptCheckpointError(
-                f"{reader.path}: rows {first}..{first + rows} of {name!r} lie outside its "
+                f"{reader.where}: rows {first}..{first + rows} of {name!r} lie outside its "
                 f"{entry.shape[0]} saved rows; the step does not fit this model"
             )
-        fd = reader.open()  # the file whose header was checked
-        try:
-            read_range(fd, start, view, reader.path)
-        finally:
-            os.close(fd)
+        reader.read_range(start, view)  # only these rows: from the disk, or by ranged requests
     if out is not None and not direct:
         out.copy_(buffer)
         return out

@@ -181,9 +181,13 @@ class ObjectStore(Protocol):
     def get(self, key: str) -> bytes:
         """The whole object; :class:`ObjectNotFoundError` if there is none."""
 
-    def read_range_into(self, key: str, start: int, buffer: memoryview) -> None:
+    def read_range_into(
+        self, key: str, start: int, buffer: memoryview, *, etag: str | None = None
+    ) -> None:
         """Fill ``buffer`` with the object's bytes from offset ``start``, in ranges read
-        several at a time; an object too short to fill it is an :class:`ObjectStoreError`."""
+        several at a time; an object too short to fill it is an :class:`ObjectStoreError`.
+        With ``etag``, every range is pinned to it: an object overwritten since fails the
+        read instead of mixing two versions."""
 
     def get_file(self, key: str, path: str | os.PathLike[str], *, part_size: int = ...) -> None:
         """Download the object into a new file at ``path`` (replacing one), in ranges read
@@ -410,7 +414,9 @@ class S3fsStore:
     def get(self, key: str) -> bytes:
         return self._run(self._get_object, key)
 
-    def read_range_into(self, key: str, start: int, buffer: memoryview) -> None:
+    def read_range_into(
+        self, key: str, start: int, buffer: memoryview, *, etag: str | None = None
+    ) -> None:
         view = memoryview(buffer).cast("B")
         if start < 0:
             raise CheckpointValueError(f"start must be >= 0, got {start}")
@@ -418,7 +424,7 @@ class S3fsStore:
         def write(offset: int, data: bytes) -> None:
             view[offset : offset + len(data)] = data
 
-        self._run(self._read_ranges, key, start, view.nbytes, None, DEFAULT_PART_SIZE, write)
+        self._run(self._read_ranges, key, start, view.nbytes, etag, DEFAULT_PART_SIZE, write)
 
     def get_file(
         self, key: str, path: str | os.PathLike[str], *, part_size: int = DEFAULT_PART_SIZE

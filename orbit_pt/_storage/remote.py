@@ -40,6 +40,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -205,6 +206,33 @@ class RemoteRoot:
 
         each_in_parallel(fetch, rels)
 
+    def open_files(self, step: int, files: Mapping[str, int]) -> dict[str, ObjectFile]:
+        """The step's files ``rel -> recorded size``, to be read by byte range (several looked
+        up at once).
+
+        Each object must exist with its recorded size; its ETag is pinned, so that an object
+        overwritten between this and a read fails the read rather than mixing two versions.
+
+        Raises:
+            CorruptCheckpointError: an object is missing or has another size.
+        """
+        rels = sorted(files)
+        found: dict[str, ObjectFile] = {}
+
+        def look_up(rel: str) -> None:
+            key, url = self.step_key(step, rel), f"{self.describe(step)}/{rel}"
+            info = self.store.head(key)
+            if info is None or info.size != files[rel]:
+                held = "is missing" if info is None else f"has {info.size} bytes"
+                raise CorruptCheckpointError(
+                    f"step {step} is damaged: {url} {held}, the metadata recorded "
+                    f"{files[rel]} bytes; restore another step"
+                )
+            found[rel] = ObjectFile(self.store, key, url, info.size, info.etag)
+
+        each_in_parallel(look_up, rels)
+        return found
+
     def remove_leftovers(self, committed: Iterable[int]) -> list[str]:
         """Remove objects of uncommitted steps and incomplete uploads a crashed writer left."""
         keep = set(committed)
@@ -341,6 +369,37 @@ class RemoteRoot:
         except ValueError:
             return {}
         return document if isinstance(document, dict) else {}
+
+
+@dataclass(frozen=True)
+class ObjectFile:
+    """One object of a step, read by byte range (``_format.remote_files.RemoteFile``).
+
+    ``etag`` pins every read to the version looked up when the restore was planned.
+    """
+
+    store: ObjectStore
+    key: str
+    url: str
+    size: int
+    etag: str | None
+
+    def read_into(self, offset: int, view: memoryview) -> None:
+        if offset < 0 or offset + len(view) > self.size:
+            raise CorruptCheckpointError(
+                f"bytes {offset}..{offset + len(view)} of {self.url} were asked for, but it holds "
+                f"{self.size}; the step does not fit what is being restored into it"
+            )
+        from orbit_pt._storage.objects import ObjectNotFoundError
+
+        # The store retries each range; what still fails names the object (ObjectStoreError).
+        try:
+            self.store.read_range_into(self.key, offset, view, etag=self.etag)
+        except ObjectNotFoundError as exc:
+            raise CorruptCheckpointError(
+                f"{self.url} was deleted while it was being restored (by the root's writer: "
+                f"retention, or a rollback?): {exc}; restore a step the writer keeps"
+            ) from exc
 
 
 def each_in_parallel(fn: Callable[[str], None], names: Sequence[str]) -> None:

@@ -35,6 +35,7 @@ from orbit_pt._control.collective import Collective
 from orbit_pt._format import checksum as _checksum
 from orbit_pt._format import coverage as _coverage
 from orbit_pt._format import progress as _progress
+from orbit_pt._format.remote_files import RemoteFile
 from orbit_pt._storage import fs as _fs
 from orbit_pt._storage import layout as _layout
 from orbit_pt._storage import root as _root
@@ -350,44 +351,91 @@ class StepStore:
         except Exception as exc:  # a convenience for `orbit-pt ls`; the step is committed
             logger.warning("could not upload %s to %s: %s", name, self.describe(), exc)
 
-    def fetch(self, step: int, meta: StepMetadata, items: Iterable[str]) -> None:
-        """Make the files of ``items`` of an object-store step local (in the mirror).
+    def fetch(
+        self, step: int, meta: StepMetadata, items: Iterable[str], *, by_range: Iterable[str]
+    ) -> dict[Path, RemoteFile]:
+        """Make the files of ``items`` of an object-store step readable by this restore.
 
-        Files already in the mirror with their recorded size are not downloaded again. Safe on
-        several ranks sharing the mirror: each download lands under a name of its own and is
-        renamed into place.
+        Files already in the mirror with their recorded size are read from there. Of the
+        others, the ``.safetensors`` files of the items in ``by_range`` (whose handlers read by
+        range) stay in the store: the returned mapping (mirror path ->
+        :class:`~orbit_pt._format.remote_files.RemoteFile`) is what a restore reads them
+        through, only the bytes it needs; nothing of them is written into the mirror, so the
+        mirror never holds a partial file. Every other file (small: JSON, msgpack; and all of
+        a verifying restore, which reads every byte) is downloaded whole into the mirror.
+
+        Safe on several ranks sharing the mirror: each download lands under a name of its own
+        and is renamed into place. A local root returns ``{}``.
         """
         if self.remote is None:
-            return
+            return {}
         base = self.step_path(step)
         prefixes = tuple(f"{item}/" for item in items)
-        wanted = [
-            rel
+        wanted = {
+            rel: f.size
             for rel, f in meta.files.items()
             if rel.startswith(prefixes) and not _fs.has_size(base / rel, f.size)
-        ]
-        if wanted:
+        }
+        ranged = tuple(f"{item}/" for item in by_range)
+        remote = {
+            rel: size
+            for rel, size in wanted.items()
+            if rel.startswith(ranged) and rel.endswith(".safetensors")
+        }
+        whole = sorted(rel for rel in wanted if rel not in remote)
+        if whole:
             logger.info(
                 "downloading %d file(s) of step %d from %s into %s",
-                len(wanted),
+                len(whole),
                 step,
                 self.remote.describe(step),
                 base,
             )
-            self.remote.download(step, wanted, base)
+            self.remote.download(step, whole, base)
+        if not remote:
+            return {}
+        opened = self.remote.open_files(step, remote)
+        for rel in remote:
+            # The item's folders, empty of these files: a handler may list them.
+            (base / rel).parent.mkdir(parents=True, exist_ok=True)
+        logger.info(
+            "reading %d file(s) of step %d by range from %s (only the bytes this rank restores)",
+            len(opened),
+            step,
+            self.remote.describe(step),
+        )
+        return {base / rel: file for rel, file in opened.items()}
 
     def check_files(
-        self, step: int, meta: StepMetadata, *, checksums_of: Iterable[str] = ()
+        self,
+        step: int,
+        meta: StepMetadata,
+        *,
+        items: Iterable[str],
+        checksums_of: Iterable[str] = (),
+        remote: Iterable[Path] = (),
     ) -> None:
         """Every file the metadata lists is a regular file with its recorded size.
 
         Files of the items named in ``checksums_of`` are also read in full and checked against
         their recorded checksums. The first problem raises :class:`CorruptCheckpointError`.
+        In the mirror of an object-store root only the files of ``items`` (those
+        :meth:`fetch` made local) are checked, and not the ``remote`` ones, which are read from
+        the store (:meth:`fetch` checked their sizes there).
         """
         base = self.step_path(step)
         verified = tuple(f"{item}/" for item in checksums_of)
+        files = meta.files
+        if self.remote is not None:
+            fetched = tuple(f"{item}/" for item in items)
+            elsewhere = {path.relative_to(base).as_posix() for path in remote}
+            files = {
+                rel: f
+                for rel, f in files.items()
+                if rel.startswith(fetched) and rel not in elsewhere
+            }
         for check in _root.check_listed_files(
-            base, meta.files, checksums=lambda rel: rel.startswith(verified)
+            base, files, checksums=lambda rel: rel.startswith(verified)
         ):
             if check.problem is not None:
                 raise CorruptCheckpointError(

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from orbit_pt._format.remote_files import is_file
 from orbit_pt._format.safe_open import read_json_object
 from orbit_pt._format.safetensors import SafetensorsReader
 from orbit_pt._format.sharding import is_dtensor
@@ -111,10 +112,11 @@ def folder_of(name: str) -> str:
 
 def adapter_folders(directory: Path) -> dict[str, Path]:
     """Subfolder ('' for the root) -> folder, for every adapter saved in ``directory``."""
-    found = {"": directory} if (directory / ADAPTER_WEIGHTS).is_file() else {}
+    # is_file: a step restored from object storage reads its weights by range, not from disk.
+    found = {"": directory} if is_file(directory / ADAPTER_WEIGHTS) else {}
     if directory.is_dir():
         for sub in sorted(directory.iterdir()):
-            if sub.is_dir() and (sub / ADAPTER_WEIGHTS).is_file():
+            if sub.is_dir() and is_file(sub / ADAPTER_WEIGHTS):
                 found[sub.name] = sub
     return found
 

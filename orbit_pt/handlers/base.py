@@ -95,6 +95,21 @@ class StagingHandler(Handler, Protocol):
         ...
 
 
+@runtime_checkable
+class RangeReadingHandler(Handler, Protocol):
+    """A handler whose ``restore`` reads its ``.safetensors`` files by byte range, not whole.
+
+    Such a handler reads those files only through ``_format.safetensors.SafetensorsReader`` and
+    asks ``_format.remote_files.is_file`` (not the disk) whether one is there. Restoring a step
+    of an object-store root, the manager then leaves its ``.safetensors`` files in the store,
+    and each rank reads only the bytes it loads (docs/object-storage.md). The built-in handlers
+    are such handlers; every other handler finds all the files of its item on disk.
+    """
+
+    reads_by_range: bool
+    """True when ``restore`` keeps to the rules above."""
+
+
 @dataclass(frozen=True)
 class SavedFields:
     """The named fields of an item as saved, and which of them cannot be restored here.

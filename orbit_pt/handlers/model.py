@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from orbit_pt._format.remote_files import is_file, names_in
 from orbit_pt._format.safe_open import read_json_object
 from orbit_pt._format.safetensors import (
     DTYPE_TO_NAME,
@@ -229,6 +230,8 @@ class ModelHandler:
     """
 
     name = "model"
+    # From an object-store root its .safetensors files are read by range (RangeReadingHandler).
+    reads_by_range = True
 
     def __init__(
         self,
@@ -773,9 +776,10 @@ def open_model_folder(directory: Path) -> dict[str, SafetensorsReader]:
     index_path = directory / INDEX_FILE
     single_path = directory / SINGLE_FILE
     if not index_path.exists():
-        if not single_path.exists() and _peft.adapter_folders(directory):
+        # A step restored from object storage reads its weights by range: they are not on disk.
+        if not is_file(single_path) and _peft.adapter_folders(directory):
             return _peft.open_adapter_folders(directory).get("", {})
-        if not single_path.exists():
+        if not is_file(single_path):
             raise CorruptCheckpointError(
                 f"{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}; it is not a model "
                 "folder, or the step is damaged -- restore another step"
@@ -784,15 +788,15 @@ def open_model_folder(directory: Path) -> dict[str, SafetensorsReader]:
         return dict.fromkeys(reader.entries, reader)
     weight_map = _read_index(index_path)
     unreferenced = sorted(
-        p.name
-        for p in directory.iterdir()
-        if _SHARD_NAME.fullmatch(p.name) and p.name not in weight_map.values()
+        name
+        for name in names_in(directory)
+        if _SHARD_NAME.fullmatch(name) and name not in weight_map.values()
     )
     if unreferenced:
         raise _bad_index(index_path, f"it places no tensor in {unreferenced}")
     readers: dict[str, SafetensorsReader] = {}
     for filename in sorted(set(weight_map.values())):
-        if not (directory / filename).is_file():
+        if not is_file(directory / filename):
             raise _bad_index(index_path, f"it lists {filename}, which is missing")
         readers[filename] = SafetensorsReader(directory / filename)
     out: dict[str, SafetensorsReader] = {}
@@ -839,7 +843,7 @@ def _bad_index(path: Path, reason: str) -> CorruptCheckpointError:
 
 
 def _has_model_files(directory: Path) -> bool:
-    return (directory / SINGLE_FILE).exists() or (directory / INDEX_FILE).exists()
+    return is_file(directory / SINGLE_FILE) or (directory / INDEX_FILE).exists()
 
 
 def _check_module(item: Any, action: str) -> torch.nn.Module:

@@ -113,6 +113,8 @@ class OptimizerHandler:
     """
 
     name = "optimizer"
+    # From an object-store root its .safetensors files are read by range (RangeReadingHandler).
+    reads_by_range = True
 
     def __init__(
         self,

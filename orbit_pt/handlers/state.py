@@ -58,6 +58,8 @@ class StateHandler:
     """
 
     name = "state"
+    # From an object-store root its .safetensors files are read by range (RangeReadingHandler).
+    reads_by_range = True
 
     def __init__(self) -> None:
         self._pool = StagingPool()
