@@ -17,6 +17,7 @@ from orbit_pt import _version
 from orbit_pt._control.background import BackgroundSaver
 from orbit_pt._control.collective import AgreedError, Collective
 from orbit_pt._control.preemption import PreemptionWatcher
+from orbit_pt._control.preemption_agreement import PreemptionAgreement
 from orbit_pt._format import progress as _progress
 from orbit_pt._format import remote_files as _remote_files
 from orbit_pt._format import safe_open as _safe_open
@@ -130,8 +131,11 @@ class CheckpointManager:
                 () if self._options.read_only else self._options.preemption_signals
             )
             undo.pop_all()
-        self._preemption_agreed: tuple[int, bool] | None = None
-        self._preempted = False
+        self._agreement = PreemptionAgreement(
+            self._preemption,
+            self._dist,
+            watched=bool(self._options.preemption_signals) and not self._options.read_only,
+        )
         # The step saved once the preemption was agreed; a later save() ends the process.
         self._preemption_saved: int | None = None
         self._last_restore: RestoreInfo | None = None
@@ -201,31 +205,19 @@ class CheckpointManager:
     def reached_preemption(self, step: int) -> bool:
         """Whether the job was asked to stop by a preemption signal, agreed by every rank.
 
-        Under torch.distributed this is collective (one all-reduce on a gloo group, unless no
-        preemption signal is watched): call it at the same point of every rank's loop. Every
-        rank gets the same answer at the same step, so the preemption save that follows is
-        one save on all ranks. Once True it stays True.
+        Under torch.distributed this is collective (unless no preemption signal is watched):
+        call it at the same point of every rank's loop. Every rank gets the same answer at the
+        same step, so the preemption save that follows is one save on all ranks. Once True it
+        stays True. It does not wait for the other ranks: each check starts an all-reduce of
+        the flag that the next check reads, so a signal is acted on at the check after the one
+        that first sees it (on one process, at once). Asking again for the same step gives the
+        same answer.
+
+        Raises:
+            CheckpointError: another rank's process left while the last check was in flight.
         """
         _check_step(step)
-        if self._preempted:
-            return True
-        if self._preemption_agreed is not None and self._preemption_agreed[0] == step:
-            return self._preemption_agreed[1]
-        local = self._preemption.requested
-        # Decided by the options, which every rank shares, and not by whether this rank could
-        # install its handler: one rank skipping the all-reduce would hang the others.
-        watched = bool(self._options.preemption_signals) and not self._options.read_only
-        agreed = self._dist.any(local) if watched else local
-        self._preemption_agreed = (step, agreed)
-        if agreed:
-            self._preempted = True
-            logger.warning(
-                "preemption agreed at step %d (rank %d of %d)",
-                step,
-                self._dist.rank,
-                self._dist.world_size,
-            )
-        return agreed
+        return self._agreement.check(step)
 
     def save(
         self,
@@ -286,7 +278,7 @@ class CheckpointManager:
             world_size=self._dist.world_size,
             collective=self._dist,
         )
-        preemption = self._preempted
+        preemption = self._agreement.agreed
         try:
             handlers, metric_values = self._plan(step, items, metrics)
             # A preemption save is synchronous: the job is about to exit inside its grace period.

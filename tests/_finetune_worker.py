@@ -8,7 +8,8 @@ would start it) with one change: its ``CheckpointManager`` is a subclass that
 
 - sends this process a real signal (SIGTERM: a preemption; SIGKILL: a crash) when rank R reaches
   ``reached_preemption(K)`` -- the point of the loop where a signal from the cluster would be
-  noticed -- so that an interruption lands at an exact step, whatever the machine's speed;
+  noticed -- so that an interruption lands at an exact step, whatever the machine's speed (on
+  several ranks a SIGTERM is then saved at step K + 1: the ranks agree one check later);
 - with ``--dump-restored``, writes what ``restore`` loaded on this rank to
   ``DIR/rank<r>.safetensors`` (full tensors of the model and optimizer, gathered from the FSDP2
   shards) and ``DIR/rank<r>.json`` (the recipe state), for comparison with the saved step.

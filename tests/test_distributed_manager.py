@@ -126,8 +126,10 @@ def _preempt_one_rank(rank: int, world_size: int, root: str) -> None:
                 mgr.save(step, {"x": {"step": step}})
             if mgr.reached_preemption(step):
                 break
-        assert _gather(step) == [3, 3]
-        assert mgr.all_steps() == [0, 3]
+        # Rank 1's check of step 3 started the all-reduce that carried its flag; the next
+        # check, step 4's, read it on every rank.
+        assert _gather(step) == [4, 4]
+        assert mgr.all_steps() == [0, 4]
         # The preemption save was synchronous: it is durable before reached_preemption returns.
         assert mgr._background.in_flight is None
 

@@ -13,6 +13,10 @@ resumed (sometimes from an older step with ``--load-step``) until it finishes. T
 The ranks run the example's own ``main()`` (tests/_finetune_worker.py; interruptions land at an
 exact step through the manager's ``reached_preemption``), started by ``launch_ranks`` of
 examples/demo.py. Few examples by default; ``-m slow`` runs more, with longer histories.
+
+A SIGTERM at step K is saved at step K on one process, and at step K + 1 on several: the
+ranks' check is pipelined, so the check that first sees the flag starts the all-reduce that
+the next check reads (see ``agreed_step``).
 """
 
 from __future__ import annotations
@@ -75,6 +79,15 @@ class Interruption:
     kind: str  # "TERM" (a preemption) or "KILL" (a crash)
     step: int
     rank: int
+
+
+def agreed_step(interrupt: Interruption, world_size: int) -> int:
+    """The step that every rank saves and stops at for a SIGTERM sent at ``interrupt.step``.
+
+    The job checks at every step; the signal lands before that step's check, which sees it and,
+    on several ranks, starts the all-reduce that the next step's check reads.
+    """
+    return interrupt.step + (1 if world_size > 1 else 0)
 
 
 def run_job(
@@ -215,9 +228,9 @@ def check_same_world_size(root: Path, reference: Callable[[int], Final], history
         if interrupt.kind == "TERM":
             assert codes == [0] * world_size, (out / "ranks.log").read_text()[-3000:]
             if end and end[-1]["preempted"]:
-                # Every rank saved the step at which the signal was noticed, and stopped.
-                assert end[-1]["step"] == interrupt.step
-                assert interrupt.step in end[-1]["kept"]
+                # Every rank saved the step at which the ranks agreed on it, and stopped.
+                assert end[-1]["step"] == agreed_step(interrupt, world_size)
+                assert agreed_step(interrupt, world_size) in end[-1]["kept"]
         elif codes[interrupt.rank] != -signal.SIGKILL:  # resumed past the step: it never fired
             assert codes == [0] * world_size, (out / "ranks.log").read_text()[-3000:]
         load_step = []
@@ -287,14 +300,15 @@ def check_other_world_size(
     out, dump = new_dir(root, "run-"), new_dir(root, "dump-")
     options = ["--save-every=3", "--keep-last-n=2", *(["--async-save"] if async_save else [])]
 
-    # Preempted at `stop` on one world size ...
+    # Preempted at `stop` on one world size (saved at `saved`) ...
     interrupt = Interruption("TERM", stop, saved_on - 1)
+    saved = agreed_step(interrupt, saved_on)
     codes = run_job(saved_on, out, options, interrupt=interrupt)
     assert codes == [0] * saved_on, (out / "ranks.log").read_text()[-3000:]
     before = losses_by_step(read_log(out / "losses.jsonl"))
-    assert before == {s: expected.losses[s] for s in range(stop + 1)}
+    assert before == {s: expected.losses[s] for s in range(saved + 1)}
 
-    model, optimizer, recipe = saved_state(out / "checkpoints", stop)  # before retention runs
+    model, optimizer, recipe = saved_state(out / "checkpoints", saved)  # before retention runs
 
     # ... resumed on the other.
     codes = run_job(resumed_on, out, options, dump=dump)
@@ -317,7 +331,7 @@ def check_other_world_size(
         )
         restored_recipe = json.loads((dump / f"rank{rank}.json").read_text())
         assert restored_recipe == json.loads(json.dumps(jsonable(recipe)))
-        assert restored_recipe["step"] == stop
+        assert restored_recipe["step"] == saved
 
     # Training continues, with the same data and schedule: losses agree to rounding.
     got = finished(out)

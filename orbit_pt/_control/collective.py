@@ -61,6 +61,39 @@ def _json_round_trip(value: Any) -> Any:
     return json.loads(json.dumps(value, allow_nan=False))
 
 
+class InFlightAny:
+    """A MAX all-reduce of one flag that was started and may not have finished
+    (:meth:`Collective.start_any`)."""
+
+    def __init__(self, flag: torch.Tensor, work: Any = None) -> None:
+        self._flag = flag
+        self._work = work
+        self._error: BaseException | None = None
+
+    @classmethod
+    def done(cls, flag: bool) -> InFlightAny:
+        """An answer known already (one process)."""
+        return cls(torch.tensor([1 if flag else 0], dtype=torch.int32))
+
+    def wait(self) -> bool:
+        """Wait for the all-reduce (once) and return whether the flag was set on any rank.
+
+        Raises what the all-reduce raised (a peer that died: a gloo error), on every call.
+        """
+        work, self._work = self._work, None
+        if work is not None:
+            try:
+                work.wait()
+            except Exception as exc:  # kept: the all-reduce cannot be waited for again
+                self._error = exc
+            except BaseException:  # a KeyboardInterrupt: the all-reduce is still in flight
+                self._work = work
+                raise
+        if self._error is not None:
+            raise self._error
+        return bool(self._flag.item())
+
+
 class Collective:
     """Rank, world size and the few collectives the manager needs, over a private gloo group.
 
@@ -73,6 +106,7 @@ class Collective:
     def __init__(self, group: Any = None) -> None:
         self.enabled = dist.is_available() and dist.is_initialized()
         self._owns_group = False
+        self._in_flight: InFlightAny | None = None
         if not self.enabled:
             self.rank, self.world_size, self.group = 0, 1, None
             return
@@ -89,6 +123,7 @@ class Collective:
         """This rank's rank and world size, with every collective a no-op (read-only use)."""
         out = cls.__new__(cls)
         out.enabled, out._owns_group, out.group = False, False, None
+        out._in_flight = None
         initialized = dist.is_available() and dist.is_initialized()
         out.rank = dist.get_rank() if initialized else 0
         out.world_size = dist.get_world_size() if initialized else 1
@@ -101,6 +136,10 @@ class Collective:
 
     def close(self) -> None:
         """Destroy the gloo group this collective created (idempotent; local, not collective)."""
+        try:
+            self._settle()
+        except Exception as exc:  # a peer that died: its error was (or will be) raised elsewhere
+            logger.debug("orbit_pt's last flag all-reduce failed at close: %s", exc)
         group, self.group = self.group, None
         if not self._owns_group or group is None:
             return
@@ -126,6 +165,7 @@ class Collective:
         """
         if not self.enabled:
             return _json_round_trip(value)
+        self._settle()
         payload = _encode(value) if self.rank == 0 else torch.empty(0, dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         dist.broadcast(size, src=self._global(0), group=self.group)
@@ -138,6 +178,7 @@ class Collective:
         """Every rank's ``value``, in rank order (JSON-able values, as for :meth:`broadcast`)."""
         if not self.enabled:
             return [_json_round_trip(value)]
+        self._settle()
         payload = _encode(value)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         sizes = [torch.empty_like(size) for _ in range(self.world_size)]
@@ -151,11 +192,23 @@ class Collective:
 
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is True on any rank (an all-reduce MAX)."""
+        return self.start_any(flag).wait()
+
+    def start_any(self, flag: bool) -> InFlightAny:
+        """Start :meth:`any` and return at once; the result's ``wait()`` gives the answer.
+
+        The all-reduce runs on gloo's own thread while the caller goes on. Every other
+        collective of this object (and :meth:`close`) waits for it first, so it never overlaps
+        another collective of the group, and a group is never destroyed under it. Call it at
+        the same point on every rank, as :meth:`any`.
+        """
         if not self.enabled:
-            return flag
+            return InFlightAny.done(flag)
+        self._settle()
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(t.item())
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._in_flight = InFlightAny(t, work)
+        return self._in_flight
 
     def run_everywhere(self, tag: str, fn: Callable[[], T], *, label: str | None = None) -> T:
         """Run ``fn`` on every rank; if it raises on any rank, raise on every rank.
@@ -233,6 +286,12 @@ class Collective:
             )
             _raise(agreed, error)
         return result, [shared for _, _, shared in reports]
+
+    def _settle(self) -> None:
+        """Wait for the all-reduce that :meth:`start_any` left in flight, if any."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.wait()
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else 0
