@@ -280,3 +280,33 @@ def test_the_ranks_byte_ranges_must_cover_each_file_exactly(tmp_path: Path) -> N
     """Defect 12: nothing checked that the ranks' byte ranges cover each file exactly; a hole
     read back as zeros with a valid checksum."""
     run_ranks(2, _holes_and_overlaps, str(tmp_path))
+
+
+def _shared_to_rank_0(rank: int, world_size: int, root: str) -> None:
+    from orbit_pt._control.collective import AgreedError, Collective
+
+    collective = Collective().new_group()
+    try:
+        result, shared = collective.agree(
+            "test.to_primary", lambda: rank * 10, share=lambda r: {"rank": r}, to_primary=True
+        )
+        assert result == rank * 10
+        assert shared == ([{"rank": 0}, {"rank": 10}] if rank == 0 else [])
+
+        def fails_on_1() -> int:
+            if rank == 1:
+                raise OSError("rank 1 cannot")
+            return rank
+
+        # A failure is agreed before anything is gathered: every rank raises, none waits.
+        with pytest.raises(AgreedError, match="rank 1 cannot"):
+            collective.agree("test.to_primary.fail", fails_on_1, share=str, to_primary=True)
+        # ... and the group is still in step afterwards.
+        assert collective.all_gather(rank) == [0, 1]
+    finally:
+        collective.close()
+
+
+def test_shared_values_can_go_to_rank_0_only(tmp_path: Path) -> None:
+    """The write reports of a save go to rank 0 only (W values moved, not W squared)."""
+    run_ranks(2, _shared_to_rank_0, str(tmp_path), timeout=120)

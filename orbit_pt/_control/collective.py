@@ -190,6 +190,29 @@ class Collective:
         dist.all_gather(gathered, padded, group=self.group)
         return [_decode(g[: int(n.item())]) for g, n in zip(gathered, sizes, strict=True)]
 
+    def gather(self, value: Any) -> list[Any] | None:
+        """Every rank's ``value`` on rank 0, in rank order; None on the other ranks.
+
+        For data only rank 0 reads (the write reports of a save): unlike :meth:`all_gather`,
+        no other rank receives or decodes it, so a job of W ranks moves W values, not W².
+        """
+        if not self.enabled:
+            return [_json_round_trip(value)]
+        self._settle()
+        payload = _encode(value)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.group)  # gloo's gather wants equal lengths
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        primary = self.rank == 0
+        gathered = [torch.empty_like(padded) for _ in range(self.world_size)] if primary else None
+        dist.gather(padded, gathered, dst=self._global(0), group=self.group)
+        if gathered is None:
+            return None
+        return [_decode(g[: int(n.item())]) for g, n in zip(gathered, sizes, strict=True)]
+
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is True on any rank (an all-reduce MAX)."""
         return self.start_any(flag).wait()
@@ -227,11 +250,14 @@ class Collective:
         *,
         label: str | None = None,
         share: Callable[[T], Any] | None = None,
+        to_primary: bool = False,
     ) -> tuple[T, list[Any]]:
         """Run ``fn`` on every rank, agree on the outcome, and gather ``share(result)``.
 
         Returns this rank's result and every rank's shared value (JSON-able; None without
         ``share``), in rank order -- one all-gather carries both the outcome and the data.
+        With ``to_primary`` the shared values go to rank 0 only (a second, gather, after the
+        outcome is agreed); the other ranks get an empty list.
 
         If ``fn`` raises anything on any rank (``BaseException``: a KeyboardInterrupt on one
         rank must not strand the others in a collective), every rank raises one
@@ -253,9 +279,12 @@ class Collective:
         result: Any = None
         error: BaseException | None = None
         mine_shared: Any = None
+        kept: Any = None  # the shared value, when it goes to rank 0 only
         try:
             result = fn()
             mine_shared = share(result) if share is not None else None
+            if to_primary:
+                kept, mine_shared = mine_shared, None
         except AgreedError:
             raise  # every rank already knows: gathering again would pair the wrong collectives
         except BaseException as exc:
@@ -285,6 +314,8 @@ class Collective:
                 error,
             )
             _raise(agreed, error)
+        if to_primary:
+            return result, self.gather(kept) or []
         return result, [shared for _, _, shared in reports]
 
     def _settle(self) -> None:

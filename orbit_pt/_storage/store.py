@@ -478,6 +478,7 @@ class StepStore:
                     lambda: self._write(tmp, write_items),
                     label=f"writing step {step}",
                     share=lambda result: result[1],
+                    to_primary=True,  # the reports are rank 0's to check: W values, not W²
                 )
             (meta, plan), _ = dist.agree(
                 "orbit_pt.save.finish",
