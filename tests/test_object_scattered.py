@@ -142,7 +142,7 @@ def test_ranks_without_a_shared_folder_each_upload_their_rows(s3_root: Any, tmp_
         storage_options={**options, "cache_dir": str(tmp_path / "check")},
     ) as mgr:
         meta = mgr.metadata(1)
-        assert meta.files["model/model.safetensors"].checksum.startswith("crc32c:")
+        assert (meta.files["model/model.safetensors"].checksum or "").startswith("crc32c:")
         assert meta.world_size == 2
 
 
