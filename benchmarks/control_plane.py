@@ -13,10 +13,11 @@ each world size it computes, with orbit_pt's own code:
   rank's pieces (``_format.sharding.row_block`` on stand-in DTensors, so torch's own chunking);
 - each rank's **write report**, what ``StepStore._write`` returns for the
   ``orbit_pt.save.write`` agreement: the checksums it streamed (none: a file written by several
-  ranks is checksummed by rank 0 afterwards) and its byte ranges per file
-  (``_format.coverage.intervals``), encoded as ``Collective.all_gather`` encodes it;
+  ranks gets its checksum from the ranks' CRCs) and, per file, the summary of its byte ranges
+  (``_format.coverage.summary``: bytes written, two position sums, the CRC-32C of its bytes
+  with zeros elsewhere), encoded as ``Collective.gather`` encodes it;
 - **rank 0's check** in ``StepStore._finalize``: decoding every rank's report, grouping the
-  ranges by file and ``_format.coverage.problems`` per file;
+  summaries by file, ``_format.coverage.summary_problems`` and ``fold_summaries`` per file;
 - the step's **metadata** (``StepMetadata.to_json``).
 
 The ranges are those ``_format.sharding.write_files`` records; ``--self-check`` (on by default)
@@ -171,18 +172,24 @@ def ranges(rank: int, world: int, files: dict[str, PlannedFile]) -> dict[str, li
             if rows:
                 mine.append((entry.start + first * row_bytes, rows * row_bytes))
         if mine:
-            out[path] = _coverage.intervals(mine)
+            out[path] = _coverage.intervals([(o, o + n) for o, n in mine])
     return out
 
 
 def rank_report(rank: int, world: int, files: dict[str, PlannedFile]) -> dict[str, Any]:
-    """``StepStore._write``'s report: streamed checksums (none here) and byte ranges."""
-    return {"checksums": {}, "ranges": ranges(rank, world, files)}
+    """``StepStore._write``'s report: streamed checksums (none here) and, per file, the
+    summary of this rank's ranges (their CRCs stand in as 0: the arithmetic costs the same)."""
+    summaries = {}
+    for path, intervals in ranges(rank, world, files).items():
+        f = files[path]
+        segments = [[start, end, 0] for start, end in intervals]
+        summaries[path] = _coverage.summary(len(f.header) + f.data_size, segments)
+    return {"checksums": {}, "summaries": summaries}
 
 
 def encoded(report: dict[str, Any]) -> torch.Tensor:
-    """The bytes ``Collective.agree`` all-gathers for one rank: ``[tag, error, report]``."""
-    return _collective._encode(["orbit_pt.save.write", None, report])
+    """The bytes ``Collective.gather`` sends rank 0 for one rank: its report."""
+    return _collective._encode(report)
 
 
 def check_on_rank_0(
@@ -192,15 +199,17 @@ def check_on_rank_0(
     ``StepStore._finalize``'s coverage check. The problems found, and the seconds of each part.
     """
     started = time.perf_counter()
-    reports = [_collective._decode(p)[2] for p in payloads]
+    reports = [_collective._decode(p) for p in payloads]
     decoded = time.perf_counter()
-    by_file: dict[str, dict[int, list[list[int]]]] = {}
+    by_file: dict[str, dict[int, list[Any]]] = {}
     for rank, report in enumerate(reports):
-        for name, intervals in report["ranges"].items():
-            by_file.setdefault(name, {})[rank] = intervals
+        for name, summary in report["summaries"].items():
+            by_file.setdefault(name, {})[rank] = summary
     found = 0
     for name, f in files.items():
-        found += len(_coverage.problems(len(f.header) + f.data_size, by_file.pop(name, {})))
+        size, summaries = len(f.header) + f.data_size, by_file.pop(name, {})
+        found += len(_coverage.summary_problems(size, summaries))
+        _coverage.fold_summaries(size, summaries)
     return found, decoded - started, time.perf_counter() - decoded
 
 
@@ -246,9 +255,7 @@ def measure(world: int, shape: Shape, dtype: torch.dtype) -> dict[str, Any]:
     payloads = [encoded(rank_report(r, world, files)) for r in range(world)]
     build_s = time.perf_counter() - started
     sizes = [p.numel() for p in payloads]
-    intervals = sum(
-        len(v) for p in payloads[:1] for v in _collective._decode(p)[2]["ranges"].values()
-    )
+    intervals = sum(len(v) for v in ranges(0, world, files).values())
     problems, decode_s, coverage_s = check_on_rank_0(files, payloads)
     assert problems == 0, f"the plan does not tile its files at {world} ranks: {problems}"
     meta = metadata(world, files, len(params))
@@ -256,8 +263,7 @@ def measure(world: int, shape: Shape, dtype: torch.dtype) -> dict[str, Any]:
         "world_size": world,
         "tensors": sum(len(f.tensors) for f in files.values()),
         "files": len(files),
-        # Written piecewise by several ranks, so no rank streamed a checksum: rank 0 reads
-        # every one of these bytes back in _finalize to checksum them.
+        # Written piecewise by several ranks: their checksums come from the ranks' CRCs.
         "file_bytes": sum(len(f.header) + f.data_size for f in files.values()),
         "plan_s": plan_s,
         "rank_pieces_s": pieces_s,
@@ -265,10 +271,9 @@ def measure(world: int, shape: Shape, dtype: torch.dtype) -> dict[str, Any]:
         "intervals_per_rank": intervals,
         "report_bytes_per_rank": statistics.median(sizes),
         "gathered_bytes": sum(sizes),
-        # Collective.all_gather pads every payload to the longest and delivers all of them to
-        # every rank: what each rank receives, and what crosses the network in all.
-        "all_gather_bytes_per_rank": world * max(sizes),
-        "all_gather_bytes_total": world * world * max(sizes),
+        # Collective.gather pads every payload to the longest and delivers them to rank 0
+        # only: what crosses the network in all.
+        "gather_bytes_total": world * max(sizes),
         "rank0_decode_s": decode_s,
         "rank0_coverage_s": coverage_s,
         "metadata_bytes": len(meta),
@@ -325,7 +330,7 @@ def self_check(world: int = 8) -> None:
                     )
                 for p, r in table.items():
                     recorded[Path(p).relative_to(Path(tmp).absolute()).as_posix()] = (
-                        _coverage.intervals(r)
+                        _coverage.intervals([(o, o + n) for o, n, _ in r])
                     )
             assert recorded == ranges(rank, world, files), f"rank {rank}: ranges differ"
 
@@ -358,17 +363,17 @@ def main() -> None:
     first = rows[0]
     print(
         f"Llama-70B shape, {args.dtype} parameters + AdamW: {first['tensors']} tensors in "
-        f"{first['files']} files of {_size(first['file_bytes'])} (all read back by rank 0 for "
-        f"their checksums); file plan {first['plan_s'] * 1e3:.0f} ms on every rank"
+        f"{first['files']} files of {_size(first['file_bytes'])} (checksummed from the ranks' "
+        f"CRCs, never read back); file plan {first['plan_s'] * 1e3:.0f} ms on every rank"
     )
     header = (
         "ranks",
         "rank pieces",
         "rank report",
-        "intervals/rank",
+        "ranges/rank",
         "report/rank",
         "rank 0 gathers",
-        "all_gather in/rank",
+        "gather traffic",
         "rank 0 decode",
         "rank 0 coverage",
         "metadata",
@@ -382,7 +387,7 @@ def main() -> None:
             str(r["intervals_per_rank"]),
             _size(r["report_bytes_per_rank"]),
             _size(r["gathered_bytes"]),
-            _size(r["all_gather_bytes_per_rank"]),
+            _size(r["gather_bytes_total"]),
             f"{r['rank0_decode_s']:.2f} s",
             f"{r['rank0_coverage_s']:.2f} s",
             _size(r["metadata_bytes"]),

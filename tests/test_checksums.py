@@ -109,7 +109,8 @@ def test_crc32c_ranges_combine_into_the_whole_files_crc() -> None:
 
 
 def test_segments_of_several_ranks_fold_into_the_files_checksum() -> None:
-    """Interleaved ranges of three 'ranks' give the checksum verify computes from the file."""
+    """Interleaved ranges of three 'ranks', each summarized by its rank (bytes, position sums,
+    the CRC of its bytes with zeros elsewhere), give the checksum verify computes."""
     import random
 
     from orbit_pt._format import coverage
@@ -122,13 +123,18 @@ def test_segments_of_several_ranks_fold_into_the_files_checksum() -> None:
     for i, (start, end) in enumerate(itertools.pairwise(bounds)):
         crc = _checksum.crc_of(data[start:end])
         writes[i % 3 if i % 5 else 0].append((start, end - start, crc))
-    by_rank = {rank: coverage.segments(w) for rank, w in writes.items()}
     size = len(data)
-    assert coverage.problems(size, {r: coverage.intervals(s) for r, s in by_rank.items()}) == []
-    assert coverage.fold(size, by_rank) == _checksum.format_crc(_checksum.crc_of(data))
+    by_rank = {rank: coverage.summary(size, coverage.segments(w)) for rank, w in writes.items()}
+    assert coverage.summary_problems(size, by_rank) == []
+    assert coverage.fold_summaries(size, by_rank) == _checksum.format_crc(_checksum.crc_of(data))
+    # Appending zeros to a CRC is what a rank does between its ranges.
+    assert _checksum.extend_with_zeros(_checksum.crc_of(data), 77) == _checksum.crc_of(
+        data + bytes(77)
+    )
     # A rank whose writes overlap cannot vouch for its bytes: no checksum from the ranges.
-    overlapping = {0: coverage.segments([(0, size, None), (0, 10, 5)])}
-    assert coverage.fold(size, overlapping) is None
+    overlapping = {0: coverage.summary(size, coverage.segments([(0, size, None), (0, 10, 5)]))}
+    assert coverage.summary_problems(size, overlapping) == []
+    assert coverage.fold_summaries(size, overlapping) is None
 
 
 def test_a_piecewise_file_is_checksummed_without_reading_it_back(

@@ -278,17 +278,28 @@ def test_a_hole_in_a_piecewise_written_file_fails_the_save(
 
 
 def test_coverage_problems_are_named() -> None:
-    """The coverage rule itself: exact tiling passes; holes, overlaps and overruns are named."""
-    from orbit_pt._format.coverage import intervals, problems
+    """The coverage rule itself, on the ranks' summaries: exact tiling passes; a hole, an
+    overlap, both at once (same length: the counts agree) and an overrun are named."""
+    from orbit_pt._format.coverage import intervals, segments, summary, summary_problems
+
+    def check(size: int, by_rank: dict[int, list[tuple[int, int]]]) -> list[str]:
+        summaries = {
+            rank: summary(size, segments([(s, e - s, 0) for s, e in ivs]))
+            for rank, ivs in by_rank.items()
+        }
+        return summary_problems(size, summaries)
 
     assert intervals([[10, 15], [0, 10], [12, 13]]) == [[0, 15]]
-    assert problems(20, {0: [[0, 10]], 1: [[10, 20]]}) == []
-    assert problems(20, {0: [[0, 8]], 1: [[10, 20]]}) == ["bytes 8..10 were written by no rank"]
-    assert problems(20, {0: [[0, 12]], 1: [[10, 20]]}) == [
-        "bytes 10..12 were written by rank 0 and by rank 1"
-    ]
-    assert problems(20, {0: [[0, 10]]}) == ["bytes 10..20 were written by no rank"]
-    assert problems(5, {0: [[0, 10]]}) == ["ranks wrote up to byte 10, past the file's end at 5"]
+    assert check(20, {0: [(0, 10)], 1: [(10, 20)]}) == []
+    assert "written by no rank" in check(20, {0: [(0, 8)], 1: [(10, 20)]})[0]
+    assert "more than one rank" in check(20, {0: [(0, 12)], 1: [(10, 20)]})[0]
+    # rank 1 rewrites 2 bytes of rank 0's and leaves 2 bytes unwritten: same count, other sums
+    assert (
+        "more than one rank and others by no rank"
+        in check(20, {0: [(0, 10)], 1: [(8, 10), (12, 20)]})[0]
+    )
+    assert "written by no rank" in check(20, {0: [(0, 10)]})[0]
+    assert "more than one rank" in check(5, {0: [(0, 10)]})[0]
 
 
 # ----------------------------------------------------------------------------- small contracts

@@ -127,9 +127,24 @@ def _shift(length: int) -> int:
 
 def combine(crc_a: int, crc_b: int, length_b: int) -> int:
     """The CRC-32C of A followed by B, from the CRCs of A and B and B's length in bytes."""
+    if length_b < 0:
+        raise ValueError(f"a length cannot be negative, got {length_b}")
     if length_b == 0:
         return crc_a
     return _multiply(_shift(length_b), crc_a) ^ crc_b
+
+
+def extend_with_zeros(crc: int, count: int) -> int:
+    """The CRC-32C of A followed by ``count`` zero bytes, from the CRC of A.
+
+    Zero bytes shift the CRC register by x^(8 count); the pre- and post-inversion of the
+    register are undone around it.
+    """
+    if count < 0:
+        raise ValueError(f"cannot extend by {count} bytes")
+    if count == 0:
+        return crc
+    return _multiply(_shift(count), crc ^ 0xFFFFFFFF) ^ 0xFFFFFFFF
 
 
 def of_bytes(data: bytes | memoryview) -> str:

@@ -798,12 +798,20 @@ class StepStore:
             except ValueError:
                 return None  # outside the step: not ours to check
 
+        segments = {relative(p): _coverage.segments(r) for p, r in ranges.items() if relative(p)}
         report: dict[str, Any] = {
-            "checksums": {relative(p): c for p, c in checksums.items() if relative(p)},
-            "segments": {
-                relative(p): _coverage.segments(r) for p, r in ranges.items() if relative(p)
-            },
+            "checksums": {relative(p): c for p, c in checksums.items() if relative(p)}
         }
+        if not self.scattered:
+            # A few numbers per file, not every range: rank 0 gets W values per file, never
+            # W x tensors (see _format/coverage.py).
+            report["summaries"] = {
+                rel: _coverage.summary((tmp / rel).stat().st_size, segs)
+                for rel, segs in segments.items()
+                if rel is not None
+            }
+            return written, report
+        report["segments"] = segments  # rank 0 plans who uploads which bytes from them
         if self.scattered:
             # Nobody else sees this folder: say what is in it, with the checksum of every
             # file that is whole here (small files a handler wrote without recording one).
@@ -811,7 +819,7 @@ class StepStore:
             for rel in _fs.iter_files(tmp):
                 name = rel.as_posix()
                 checksum = report["checksums"].get(name)
-                if checksum is None and name not in report["segments"]:
+                if checksum is None and name not in segments:
                     checksum = _checksum.of_file(tmp / rel)
                 files[name] = [(tmp / rel).stat().st_size, checksum]
             report["files"] = files
@@ -835,34 +843,37 @@ class StepStore:
             return None, None
         recorded: dict[str, str] = {}
         by_file: dict[str, dict[int, _coverage.Segments]] = {}
+        summaries: dict[str, dict[int, list[Any]]] = {}
         for rank, report in enumerate(reports):
             recorded.update(report["checksums"])
-            for name, segments in report["segments"].items():
+            for name, segments in report.get("segments", {}).items():
                 by_file.setdefault(name, {})[rank] = segments
+            for name, summary in report.get("summaries", {}).items():
+                summaries.setdefault(name, {})[rank] = summary
         listed = self._listed_files(step, tmp, reports)
+        for name, ranks in by_file.items():  # segments (scattered ranks): summarized here
+            size = listed[name][0] if name in listed else 0
+            summaries[name] = {r: _coverage.summary(size, segs) for r, segs in ranks.items()}
         files = {}
         for name, (size, holders_checksum) in listed.items():
-            segments = by_file.pop(name, {})
-            by_rank = {rank: _coverage.intervals(segs) for rank, segs in segments.items()}
-            wrong = _coverage.problems(size, by_rank) if segments else []
+            covered = summaries.pop(name, {})
+            wrong = _coverage.summary_problems(size, covered) if covered else []
             if wrong:
                 raise CheckpointError(
                     f"{name} of step {step} was not written exactly once by the ranks: "
                     f"{'; '.join(wrong[:5])}; this is a bug in the handler that wrote it (its "
                     "ranks disagree about who writes which rows), please report it"
                 )
-            # A file written in ranges gets its checksum from the ranges' CRCs; only small
+            # A file written in ranges gets its checksum from the ranks' CRCs; only small
             # files that no writer recorded (a custom handler's) are read back.
             checksum = (
                 recorded.get(name)
-                or (_coverage.fold(size, segments) if segments else None)
+                or (_coverage.fold_summaries(size, covered) if covered else None)
                 or holders_checksum
                 or _checksum.of_file(tmp / name)
             )
             files[name] = FileMetadata(size=size, checksum=checksum)
-            if segments:
-                by_file[name] = segments  # kept for the upload plan
-        unknown = sorted(set(by_file) - set(listed))
+        unknown = sorted(set(summaries))
         if unknown:
             raise CheckpointError(
                 f"step {step}: ranks reported writing {unknown}, which are not in "
