@@ -607,6 +607,10 @@ def run_case(
             mgr = perform(workload, root, mgr)
         except Exception as exc:
             error = exc
+        if mgr is not None:
+            # Retention removes deleted steps' files on a thread of its own: its calls belong
+            # to the workload (and are counted and failed like the others).
+            mgr._store.wait_for_removals()
     if mgr is None:
         # The open failed; ``error`` (and its traceback) is still alive here, and the lock it
         # took must be free already: a CheckpointLockedError now is the bug.

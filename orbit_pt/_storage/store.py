@@ -1113,6 +1113,14 @@ class StepStore:
                 exc,
             )
 
+    def wait_for_removals(self) -> None:
+        """Wait until the files of every step deleted so far are removed (for tests: the
+        removals run on their own thread)."""
+        with self._mutex:
+            pending = list(self._removals.values())
+        for removal in pending:
+            removal.result()
+
     def _wait_for_removal(self, doomed: Path) -> None:
         pending = self._removals.pop(doomed, None)
         if pending is not None:
