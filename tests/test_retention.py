@@ -554,6 +554,8 @@ def snapshot(path: Path) -> dict[str, bytes | str]:
     """Every file (content) and link (target) under ``path``, without following links."""
     out: dict[str, bytes | str] = {}
     for dirpath, dirnames, filenames in os.walk(path):
+        # A deleted step's folder is being removed on a thread of its own: never foreign.
+        dirnames[:] = [d for d in dirnames if not d.endswith(".orbit-deleting")]
         for name in dirnames + filenames:
             full = Path(dirpath) / name
             rel = full.relative_to(path).as_posix()
