@@ -179,16 +179,21 @@ class Collective:
         if not self.enabled:
             return [_json_round_trip(value)]
         self._settle()
+        padded, sizes = self._padded(value)
+        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(gathered, padded, group=self.group)
+        return [_decode(g[: int(n.item())]) for g, n in zip(gathered, sizes, strict=True)]
+
+    def _padded(self, value: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``value`` encoded and padded to the longest of every rank's, and every rank's length
+        (gloo's gathers want tensors of one length)."""
         payload = _encode(value)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         sizes = [torch.empty_like(size) for _ in range(self.world_size)]
         dist.all_gather(sizes, size, group=self.group)
-        longest = max(int(s.item()) for s in sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded = torch.zeros(max(int(s.item()) for s in sizes), dtype=torch.uint8)
         padded[: payload.numel()] = payload
-        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(gathered, padded, group=self.group)
-        return [_decode(g[: int(n.item())]) for g, n in zip(gathered, sizes, strict=True)]
+        return padded, sizes
 
     def gather(self, value: Any) -> list[Any] | None:
         """Every rank's ``value`` on rank 0, in rank order; None on the other ranks.
@@ -199,13 +204,7 @@ class Collective:
         if not self.enabled:
             return [_json_round_trip(value)]
         self._settle()
-        payload = _encode(value)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
-        dist.all_gather(sizes, size, group=self.group)  # gloo's gather wants equal lengths
-        longest = max(int(s.item()) for s in sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[: payload.numel()] = payload
+        padded, sizes = self._padded(value)
         primary = self.rank == 0
         gathered = [torch.empty_like(padded) for _ in range(self.world_size)] if primary else None
         dist.gather(padded, gathered, dst=self._global(0), group=self.group)

@@ -32,6 +32,7 @@ from typing import Any
 
 from orbit_pt._storage.parts import Part, plan_parts, runs_of
 from orbit_pt._storage.remote import RemoteRoot, each_in_parallel
+from orbit_pt.errors import CheckpointError
 
 RANKS_DIR = ".orbit-ranks"
 STAGING_DIR = "_orbit_parts"  # inside a step's prefix; names starting with "_" are orbit_pt's
@@ -159,7 +160,7 @@ def complete(remote: RemoteRoot, step: int, plan: UploadPlan, records: Sequence[
         size, parts = plan.split[rel]
         sent = by_file.get(rel, [])
         if sorted(int(r["PartNumber"]) for r in sent) != [p.number for p in parts]:
-            raise RuntimeError(
+            raise CheckpointError(
                 f"{rel}: parts {sorted(int(r['PartNumber']) for r in sent)} were sent, "
                 f"{[p.number for p in parts]} planned"
             )
@@ -212,7 +213,7 @@ def _assembler(
                 at = cursor[owner]
                 chunk = staged[owner][at : at + end - start]
                 if len(chunk) != end - start:
-                    raise RuntimeError(
+                    raise CheckpointError(
                         f"{rel}: the staging object of rank {owner} for part {part.number} is "
                         "shorter than planned"
                     )
@@ -220,7 +221,7 @@ def _assembler(
                 cursor[owner] = at + end - start
         data = b"".join(chunks)
         if len(data) != part.end - part.start:
-            raise RuntimeError(f"{rel}: part {part.number} assembled to {len(data)} bytes")
+            raise CheckpointError(f"{rel}: part {part.number} assembled to {len(data)} bytes")
         return data
 
     return assemble
