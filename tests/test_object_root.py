@@ -275,15 +275,15 @@ _KILLED_MID_UPLOAD = textwrap.dedent(
     """
     import os, signal, sys, threading, torch
     from orbit_pt import CheckpointManager
-    from orbit_pt._storage import remote
+    from orbit_pt._storage import streaming
     url, options = sys.argv[1], eval(sys.argv[2])
     mgr = CheckpointManager(url, storage_options=options)
     mgr.save(1, {"w": torch.arange(1000.0)})
-    real = remote.RemoteRoot.upload_files
-    def upload_then_die(self, step, folder, meta):
-        real(self, step, folder, meta)  # every file of step 2 is up; the marker is not
+    real = streaming.StreamingUpload.upload
+    def upload_then_die(self, meta):
+        real(self, meta)  # every file of step 2 is up; the marker is not
         os.kill(os.getpid(), signal.SIGKILL)
-    remote.RemoteRoot.upload_files = upload_then_die
+    streaming.StreamingUpload.upload = upload_then_die
     mgr.save(2, {"w": torch.arange(5.0)})
     """
 )

@@ -13,10 +13,15 @@ Where O_DIRECT is not supported (tmpfs, some network filesystems) everything is 
 ``pwrite``, which is correct, only slower. Some filesystems accept the O_DIRECT open and then
 refuse the writes with EINVAL; such a writer redoes the refused bytes with ``pwrite`` and stays
 buffered from then on.
+
+A caller may watch the writes (:func:`watching`): each range is reported once its bytes are in
+the file, which is how a save to object storage sends a file's parts while the rest of it is
+still being written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import ctypes
 import errno
@@ -25,7 +30,7 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from orbit_pt._format import progress as _progress
@@ -43,6 +48,34 @@ _MAX_ALIGN = 1 << 20
 
 _refusal_lock = threading.Lock()
 _refusal_logged = False
+
+Written = Callable[[int, memoryview], None]
+"""Told ``(offset, bytes)`` of each range once the bytes are in the file (the view is valid only
+during the call); thread-safe. It may block, which holds up the writer."""
+Watch = Callable[[Path, int], "Written | None"]
+"""Given a file a writer opens and the file's size, what to tell of its writes, or None."""
+
+_watch: contextvars.ContextVar[Watch | None] = contextvars.ContextVar(
+    "orbit_pt_write_watch", default=None
+)
+
+
+@contextlib.contextmanager
+def watching(watch: Watch) -> Iterator[None]:
+    """Report the writes of every :class:`RangeWriter` opened in this context to ``watch``."""
+    token = _watch.set(watch)
+    try:
+        yield
+    finally:
+        _watch.reset(token)
+
+
+def report(path: Path, size: int, offset: int, data: memoryview) -> None:
+    """Report a write made without a :class:`RangeWriter` (``size``: the file's) to the watch."""
+    watch = _watch.get()
+    written = watch(path, size) if watch is not None else None
+    if written is not None:
+        written(offset, data)
 
 
 def _alignment(fd: int) -> int:
@@ -86,6 +119,8 @@ class RangeWriter:
     def __init__(self, path: Path, *, direct: bool = True) -> None:
         self.path = path
         self._fd = os.open(path, os.O_WRONLY)
+        watch = _watch.get()
+        self._written = watch(path, os.fstat(self._fd).st_size) if watch is not None else None
         self._direct_fd: int | None = None
         self._refused = False  # the filesystem refused an O_DIRECT write (EINVAL)
         if direct and hasattr(os, "O_DIRECT"):
@@ -131,6 +166,8 @@ class RangeWriter:
             if checksum is not None:
                 checksum.update(chunk)
             _pwrite_all(self._fd, chunk, offset)
+            if self._written is not None:
+                self._written(offset, chunk)
             offset += len(chunk)
             _progress.advance(len(chunk))
 
@@ -155,6 +192,8 @@ class RangeWriter:
                     if not stop.is_set():
                         with memoryview(buffer) as whole, whole[:length] as view:
                             self._write_buffer(view, at)
+                            if self._written is not None:
+                                self._written(at, view)
                         _progress.advance(length)
                 except BaseException as exc:
                     errors.append(exc)

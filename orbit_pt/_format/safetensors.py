@@ -33,6 +33,7 @@ from types import MappingProxyType
 import torch
 
 from orbit_pt._format import checksum as _checksum
+from orbit_pt._format import direct_io as _direct_io
 from orbit_pt._format import progress as _progress
 from orbit_pt._format import remote_files as _remote_files
 from orbit_pt._format import safe_open as _safe_open
@@ -496,3 +497,4 @@ def create_file(path: Path, header: bytes, data_size: int) -> None:
     with open(path, "xb", buffering=0) as f:
         f.write(header)
         f.truncate(len(header) + data_size)
+    _direct_io.report(path, len(header) + data_size, 0, memoryview(header))

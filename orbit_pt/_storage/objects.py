@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -27,6 +28,7 @@ import logging
 import os
 import random
 import re
+import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -38,6 +40,7 @@ from orbit_pt.errors import CheckpointError, CheckpointValueError
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Body = bytes | bytearray  # a request's body
 
 MiB = 2**20
 MIN_PART_SIZE = 5 * MiB  # S3 refuses smaller parts, except the last
@@ -151,6 +154,9 @@ class RetryPolicy:
 class ObjectStore(Protocol):
     """A bucket: objects by their full key. Thread-safe; each call blocks until it is done."""
 
+    max_concurrency: int
+    """Parts or ranges in flight per transfer (and for all :class:`PartUpload` together)."""
+
     def put(
         self,
         key: str,
@@ -229,8 +235,30 @@ class ObjectStore(Protocol):
     def abort_upload(self, key: str, upload_id: str) -> None:
         """Abort an incomplete upload (its parts are deleted); never raises."""
 
+    def open_upload(self, key: str) -> PartUpload:
+        """Start a multipart upload of ``key`` whose parts are sent one by one as they become
+        ready (:meth:`PartUpload.send` does not wait); returns at once."""
+
     def close(self) -> None:
         """Release the client's connections; the store is unusable after."""
+
+
+class PartUpload(Protocol):
+    """A multipart upload fed part by part while its source is still being written."""
+
+    def send(
+        self, number: int, read: Callable[[], Body], done: Callable[[], None] | None = None
+    ) -> None:
+        """Queue part ``number``; ``read()`` gives its bytes, in a worker thread, when a slot
+        is free. Returns at once; ``done()`` is called when the send is over, whatever its
+        outcome. Sending a number again replaces that part (after the earlier send is over)."""
+
+    def finish(self, size: int) -> None:
+        """Wait for every part sent, then complete the upload; the object must hold ``size``
+        bytes. Raises the first part's failure (the upload is then still to be aborted)."""
+
+    def abort(self) -> None:
+        """Cancel the parts not yet sent and abort the upload; waits for it; never raises."""
 
 
 # ------------------------------------------------------------------------------------ opening
@@ -361,6 +389,7 @@ class S3fsStore:
         self.bucket = bucket
         self.retry = retry
         self.max_concurrency: int = fs.max_concurrency
+        self._slots: asyncio.Semaphore | None = None  # see _stream_slots
 
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
@@ -476,6 +505,9 @@ class S3fsStore:
         with contextlib.suppress(Exception):
             self._run(self._abort_one, key, upload_id)
 
+    def open_upload(self, key: str) -> PartUpload:
+        return _S3PartUpload(self, key)
+
     def close(self) -> None:
         creator = getattr(self._fs, "_s3creator", None)
         if creator is not None:
@@ -590,29 +622,43 @@ class S3fsStore:
         self, key: str, upload_id: str, jobs: builtins.list[tuple[int, Callable[[], bytes]]]
     ) -> builtins.list[dict[str, Any]]:
         slots = asyncio.Semaphore(self.max_concurrency)
+        return await _all(self._send_part(key, upload_id, n, read, slots) for n, read in jobs)
 
-        def read_part(read: Callable[[], bytes]) -> tuple[bytes, str]:
+    async def _send_part(
+        self,
+        key: str,
+        upload_id: str,
+        number: int,
+        read: Callable[[], Body],
+        slots: asyncio.Semaphore,
+    ) -> dict[str, Any]:
+        """Read one part (in a worker thread) and send it; its record for the completion."""
+
+        def read_part() -> tuple[Body, str]:
             data = read()
             return data, _crc32c(data)
 
-        async def part(number: int, read: Callable[[], bytes]) -> dict[str, Any]:
-            async with slots:  # read only as many parts as are in flight
-                data, checksum = await _off_loop(read_part, read)
-                answer = await self._attempt(
-                    f"upload part {number} of",
-                    key,
-                    lambda: self._call(
-                        "upload_part",
-                        Key=key,
-                        UploadId=upload_id,
-                        PartNumber=number,
-                        Body=data,
-                        ChecksumCRC32C=checksum,
-                    ),
-                )
-                return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32C": checksum}
+        async with slots:  # read only as many parts as are in flight
+            data, checksum = await _off_loop(read_part)
+            answer = await self._attempt(
+                f"upload part {number} of",
+                key,
+                lambda: self._call(
+                    "upload_part",
+                    Key=key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=data,
+                    ChecksumCRC32C=checksum,
+                ),
+            )
+        return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32C": checksum}
 
-        return await _all(part(number, read) for number, read in jobs)
+    def _stream_slots(self) -> asyncio.Semaphore:
+        """The parts in flight of every :class:`PartUpload` of this store (loop thread only)."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_concurrency)
+        return self._slots
 
     async def _complete_and_check(
         self,
@@ -857,6 +903,84 @@ class S3fsStore:
 # ------------------------------------------------------------------------------------- helpers
 
 
+class _S3PartUpload:
+    """:class:`PartUpload` on an :class:`S3fsStore`: each part is a task on the store's loop.
+
+    The parts of every such upload share one limit of parts in flight (the store's
+    ``max_concurrency``), so a step's files streamed at once hold at most that many parts in
+    memory together.
+    """
+
+    def __init__(self, store: S3fsStore, key: str) -> None:
+        self._store = store
+        self.key = key
+        self._loop = store._fs.loop
+        self._upload_id = asyncio.run_coroutine_threadsafe(store._start_upload(key), self._loop)
+        self._sent: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+        self._aborted = False
+        self._running: set[asyncio.Task[Any]] = set()  # touched on the loop thread only
+
+    def send(
+        self, number: int, read: Callable[[], Body], done: Callable[[], None] | None = None
+    ) -> None:
+        with self._lock:
+            earlier = self._sent.get(number)
+            self._sent[number] = asyncio.run_coroutine_threadsafe(
+                self._send(number, read, earlier, done), self._loop
+            )
+
+    async def _send(
+        self,
+        number: int,
+        read: Callable[[], Body],
+        earlier: concurrent.futures.Future[dict[str, Any]] | None,
+        done: Callable[[], None] | None,
+    ) -> dict[str, Any]:
+        task = asyncio.current_task()
+        assert task is not None
+        self._running.add(task)
+        try:
+            if self._aborted:
+                raise asyncio.CancelledError
+            upload_id = await asyncio.wrap_future(self._upload_id)
+            if earlier is not None:  # a resend lands after the send it replaces
+                await asyncio.wait([asyncio.wrap_future(earlier)])
+            slots = self._store._stream_slots()
+            return await self._store._send_part(self.key, upload_id, number, read, slots)
+        finally:
+            self._running.discard(task)
+            if done is not None:
+                done()
+
+    def finish(self, size: int) -> None:
+        with self._lock:
+            sent = dict(self._sent)
+        concurrent.futures.wait(list(sent.values()))
+        parts = [sent[number].result() for number in sorted(sent)]  # the first failure raises
+        upload_id = self._upload_id.result()
+        self._store._run(self._store._complete_and_check, self.key, upload_id, parts, {}, size)
+
+    def abort(self) -> None:
+        self._aborted = True
+        with contextlib.suppress(Exception):
+            self._store._run(self._abort)
+
+    async def _abort(self) -> None:
+        # A send not started yet sees the flag and never starts; the started ones are stopped
+        # and waited for, so that no part lands after the upload is aborted.
+        running = list(self._running)
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        try:
+            upload_id = await asyncio.wrap_future(self._upload_id)
+        except Exception:
+            return  # it never started: nothing to abort
+        with contextlib.suppress(Exception):
+            await self._store._abort_one(self.key, upload_id)
+
+
 class _ShortObjectError(Exception):
     """A range answer holds fewer bytes than asked: the object ends before the range does."""
 
@@ -964,7 +1088,7 @@ async def _off_loop(func: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(None, func, *args)
 
 
-def _crc32c(data: bytes) -> str:
+def _crc32c(data: Body) -> str:
     """S3's ``x-amz-checksum-crc32c`` of ``data``: the big-endian CRC-32C, base64-encoded.
 
     The server checks every body against it. CRC-32C rather than CRC-32: the hardware

@@ -40,6 +40,7 @@ from orbit_pt._storage import fs as _fs
 from orbit_pt._storage import layout as _layout
 from orbit_pt._storage import root as _root
 from orbit_pt._storage import scattered as _scattered
+from orbit_pt._storage import streaming as _streaming
 from orbit_pt._storage.remote import RemoteRoot
 from orbit_pt.errors import (
     CheckpointError,
@@ -466,13 +467,22 @@ class StepStore:
         started = time.perf_counter()
         primary = dist.is_primary
         own = self.scattered  # every rank writes into, and cleans up, a folder of its own
+        # Rank 0 of a shared mirror uploads the files: it starts while they are written.
+        stream = (
+            _streaming.StreamingUpload(self.remote, step, tmp)
+            if self.remote is not None and primary and not own
+            else None
+        )
         try:
             dist.run_everywhere(
                 "orbit_pt.save.prepare",
                 lambda: self._prepare(step, tmp, primary=primary),
                 label=f"preparing step {step}",
             )
-            with _progress.showing(f"saving step {step}", primary=primary):
+            with (
+                _progress.showing(f"saving step {step}", primary=primary),
+                stream.watching() if stream is not None else contextlib.nullcontext(),
+            ):
                 (written, _), reports = dist.agree(
                     "orbit_pt.save.write",
                     lambda: self._write(tmp, write_items),
@@ -488,6 +498,8 @@ class StepStore:
         except StepAlreadyExistsError:
             raise  # nothing was written; the user must move the folder out of the way
         except BaseException as exc:
+            if stream is not None:
+                stream.abort()
             if primary or own:
                 self._discard(tmp)
             if not isinstance(exc, Exception) and threading.current_thread() is _MAIN:
@@ -500,7 +512,7 @@ class StepStore:
             outcome, failure = self._publish_scattered(step, tmp, meta, plan, dist)
         elif primary:
             assert meta is not None
-            outcome, failure = self._publish(step, tmp, meta)
+            outcome, failure = self._publish(step, tmp, meta, stream)
         outcome = dist.broadcast(outcome)
         assert outcome is not None
         if not primary:
@@ -538,7 +550,7 @@ class StepStore:
             )
 
     def _publish(
-        self, step: int, tmp: Path, meta: StepMetadata
+        self, step: int, tmp: Path, meta: StepMetadata, stream: _streaming.StreamingUpload | None
     ) -> tuple[dict[str, Any], BaseException | None]:
         """Rank 0: move the steps ``step`` replaces aside, commit it, and make that durable.
 
@@ -565,10 +577,14 @@ class StepStore:
                 _fs.fsync_path(self.root)
             else:
                 # Replaced steps go first (their objects have the new step's keys), then the
-                # files upload outside the mutex, so that readers keep answering.
+                # files upload outside the mutex, so that readers keep answering. Streamed
+                # files' parts are mostly sent already; nothing is visible until completed.
                 with self._mutex:
                     superseded = self._supersede_from(step, moved)
-                self._upload(step, lambda: remote.upload_files(step, tmp, meta))
+                if stream is not None:
+                    self._upload(step, lambda: stream.upload(meta))
+                else:
+                    self._upload(step, lambda: remote.upload_files(step, tmp, meta))
                 with self._mutex:
                     self._upload(step, lambda: remote.put_marker(step, tmp))  # the commit point
                     committed = True
@@ -578,6 +594,8 @@ class StepStore:
         except BaseException as exc:
             failure = exc
         if not committed:
+            if stream is not None:
+                stream.abort()  # parts sent for nothing: no incomplete upload is left
             self._discard(tmp)  # the commit did not happen: never leave a half step behind
         return self._failed_outcome(meta, committed, superseded, moved, failure), failure
 
