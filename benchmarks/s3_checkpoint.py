@@ -1,16 +1,19 @@
 """Save and restore throughput to an S3 server: orbit_pt against boto3's managed transfer.
 
 One moto S3 server runs in its own process on 127.0.0.1 (nothing leaves the machine). In each
-round, in turn:
+round:
 
 - ``orbit_pt save``: ``CheckpointManager("s3://...").save(step, {"model": m})`` -- the step is
-  written into the local mirror (fsynced, checksummed), uploaded, and the marker put;
-- ``boto3 upload``: ``upload_file`` of the very files that save wrote, with a multithreaded
+  written into the local mirror (fsynced, checksummed) while its large files are uploaded,
+  then the uploads are completed and the marker put;
+- ``boto3 upload``: ``upload_file`` of the files such a save wrote, with a multithreaded
   ``TransferConfig`` (the same bytes, already on disk: boto3 does less than the save);
 - ``orbit_pt restore``: a manager with an empty mirror (another machine) restores the step
   into a fresh model (download + read);
 - ``boto3 download``: ``download_file`` of the same objects into an empty folder.
 
+The save and the upload alternate which goes first (and so do the restore and the download),
+and every object is deleted after each round: moto keeps objects in memory and slows as it fills.
 moto is a Python server and CPU-bound, so loopback numbers measure both clients' overhead plus
 the server's, on the same terms; a real S3 endpoint is much faster for both. Medians of the
 rounds are printed as a table with the ratios.
@@ -67,10 +70,10 @@ def _start_server() -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError("moto_server did not start")
 
 
-def _model(size_mb: int) -> torch.nn.Module:
-    # Layers of 16 MB (fp32): a realistic mix of large tensors.
-    width = 2048
-    layers = max(1, size_mb // 16)
+def _model(size_mb: int, width: int = 2048) -> torch.nn.Module:
+    # Square layers (fp32): 16 MB each at the default width, a realistic mix of large tensors;
+    # a small --width makes many small tensors (one request each when restored by range).
+    layers = max(1, size_mb * 2**20 // (4 * width * width))
     return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
 
 
@@ -153,12 +156,20 @@ def _downloader(client, bucket, prefix, step_dir, target, config):  # type: igno
     return download
 
 
+def _delete_prefix(client, bucket: str, prefix: str) -> None:  # type: ignore[no-untyped-def]
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fsdp-ranks", type=int, default=0)
     parser.add_argument("--scattered", action="store_true")
+    parser.add_argument("--width", type=int, default=2048, help="of the square layers")
     args = parser.parse_args()
 
     import boto3
@@ -188,7 +199,7 @@ def main() -> None:
         return
     config = TransferConfig(multipart_chunksize=8 * 2**20, max_concurrency=16, use_threads=True)
     work = Path(tempfile.mkdtemp(prefix="orbit-s3-bench-"))
-    model = _model(args.size_mb)
+    model = _model(args.size_mb, args.width)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     times: dict[str, list[float]] = {
         "orbit_pt save": [],
@@ -198,44 +209,69 @@ def main() -> None:
     }
     storage = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
     try:
+        # The files boto3 uploads: the ones a save writes (the same bytes, already on disk).
+        with CheckpointManager(f"s3://{bucket}/source", storage_options={
+            **storage, "cache_dir": str(work / "source")
+        }) as source:  # fmt: skip
+            source.save(1, {"model": model})
+            step_dir = source.step_dir(1)
+        files = sorted(p for p in step_dir.rglob("*") if p.is_file())
         for round_ in range(args.rounds):
             url = f"s3://{bucket}/run-{uuid.uuid4().hex[:8]}"
-            mirror = work / f"mirror-{round_}"
-            with CheckpointManager(url, storage_options={**storage, "cache_dir": str(mirror)}) as m:
-                started = time.perf_counter()
-                m.save(1, {"model": model})
-                times["orbit_pt save"].append(time.perf_counter() - started)
-                step_dir = m.step_dir(1)
-            files = sorted(p for p in step_dir.rglob("*") if p.is_file())
             prefix = f"boto-{uuid.uuid4().hex[:8]}"
-            started = time.perf_counter()
-            with ThreadPoolExecutor(max_workers=4) as pool:  # files in parallel, as orbit_pt
-                list(pool.map(_uploader(client, bucket, prefix, step_dir, config), files))
-            times["boto3 upload"].append(time.perf_counter() - started)
+            mirror = work / f"mirror-{round_}"
 
-            fresh = _model(args.size_mb)
-            other = {**storage, "cache_dir": str(work / f"other-{round_}")}
-            with CheckpointManager(url, storage_options=other) as reader:
+            def save() -> None:
+                options = {**storage, "cache_dir": str(mirror)}  # noqa: B023
+                with CheckpointManager(url, storage_options=options) as m:  # noqa: B023
+                    started = time.perf_counter()
+                    m.save(1, {"model": model})
+                    times["orbit_pt save"].append(time.perf_counter() - started)
+
+            def upload() -> None:
                 started = time.perf_counter()
-                reader.restore(1, {"model": fresh})
-                times["orbit_pt restore"].append(time.perf_counter() - started)
-            assert all(
-                torch.equal(a, b)
-                for a, b in zip(fresh.parameters(), model.parameters(), strict=True)
-            )
-            target = work / f"download-{round_}"
-            started = time.perf_counter()
-            with ThreadPoolExecutor(max_workers=4) as pool:
-                list(pool.map(_downloader(client, bucket, prefix, step_dir, target, config), files))
-            times["boto3 download"].append(time.perf_counter() - started)
-            shutil.rmtree(mirror, ignore_errors=True)
-            shutil.rmtree(work / f"other-{round_}", ignore_errors=True)
-            shutil.rmtree(target, ignore_errors=True)
+                with ThreadPoolExecutor(max_workers=4) as pool:  # files in parallel, as orbit_pt
+                    up = _uploader(client, bucket, prefix, step_dir, config)  # noqa: B023
+                    list(pool.map(up, files))
+                times["boto3 upload"].append(time.perf_counter() - started)
+
+            def restore() -> None:
+                fresh = _model(args.size_mb, args.width)
+                other = {**storage, "cache_dir": str(work / f"other-{round_}")}  # noqa: B023
+                with CheckpointManager(url, storage_options=other) as reader:  # noqa: B023
+                    started = time.perf_counter()
+                    reader.restore(1, {"model": fresh})
+                    times["orbit_pt restore"].append(time.perf_counter() - started)
+                assert all(
+                    torch.equal(a, b)
+                    for a, b in zip(fresh.parameters(), model.parameters(), strict=True)
+                )
+
+            def download() -> None:
+                target = work / f"download-{round_}"  # noqa: B023
+                started = time.perf_counter()
+                with ThreadPoolExecutor(max_workers=4) as pool:
+                    down = _downloader(client, bucket, prefix, step_dir, target, config)  # noqa: B023
+                    list(pool.map(down, files))
+                times["boto3 download"].append(time.perf_counter() - started)
+
+            # Alternate which goes first (ABBA), so that neither always meets a warmer server.
+            first = round_ % 2 == 0
+            for run in (save, upload) if first else (upload, save):
+                run()
+            for run in (restore, download) if first else (download, restore):
+                run()
+            for folder in work.glob(f"*-{round_}"):
+                shutil.rmtree(folder, ignore_errors=True)
+            # The server holds every object in memory: empty it, so rounds stay alike.
+            _delete_prefix(client, bucket, url.split("/", 3)[3])
+            _delete_prefix(client, bucket, prefix)
     finally:
         server.kill()
         shutil.rmtree(work, ignore_errors=True)
     medians = {name: statistics.median(values) for name, values in times.items()}
-    print(f"state: {size / 1e6:.0f} MB, {args.rounds} rounds, medians")
+    tensors = len(list(model.parameters()))
+    print(f"state: {size / 1e6:.0f} MB in {tensors} tensors, {args.rounds} rounds, medians")
     print(f"{'mode':<18} {'seconds':>8} {'MB/s':>8}")
     for name, seconds in medians.items():
         print(f"{name:<18} {seconds:>8.2f} {size / 1e6 / seconds:>8.0f}")

@@ -98,7 +98,7 @@ def _alignment(fd: int) -> int:
     return min(1 << (size - 1).bit_length(), _MAX_ALIGN)
 
 
-def _address(view: memoryview) -> int | None:
+def address_of(view: memoryview) -> int | None:
     """The address of a writable contiguous buffer (None when it is read-only)."""
     if view.readonly or not view.contiguous:
         return None
@@ -219,7 +219,7 @@ class RangeWriter:
                     checksum.update(chunk)
                 while len(chunk) and not stop.is_set():
                     n = min(len(chunk), _BUFFER_BYTES - filled)
-                    source = _address(chunk)
+                    source = address_of(chunk)
                     if source is not None:
                         ctypes.memmove(base + filled, source, n)  # releases the GIL
                     else:

@@ -18,9 +18,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+CONCURRENT_READS = 8
+"""Tensors read at once when their bytes come by ranged requests (each may be several ranges)."""
 
 
 class RemoteFile(Protocol):
@@ -82,3 +90,33 @@ def names_in(directory: Path) -> set[str]:
 def _absolute(path: Path) -> Path:
     """``path`` made absolute, ``..`` resolved by name: one file, one key."""
     return Path(os.path.normpath(Path(path).absolute()))
+
+
+def for_each(items: Sequence[T], read: Callable[[T], None], *, remote: bool) -> None:
+    """``read(item)`` for every item, in order -- or, when the reads go by ranged requests
+    (``remote``), several at once: a file of many small tensors then costs a few round trips
+    to the store, not one after another per tensor.
+
+    The reads run with the caller's context (its progress display) and with autograd off, as
+    they write into parameters. The first failure, in ``items`` order, is raised; reads not
+    started yet are dropped.
+    """
+    if not remote or len(items) < 2:
+        for item in items:
+            read(item)
+        return
+    context = contextvars.copy_context()
+
+    def run(item: T) -> None:
+        with torch.no_grad():
+            read(item)
+
+    with ThreadPoolExecutor(max_workers=min(CONCURRENT_READS, len(items))) as pool:
+        futures = [pool.submit(context.copy().run, run, item) for item in items]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise

@@ -283,6 +283,11 @@ class SafetensorsReader:
     def keys(self) -> list[str]:
         return list(self.entries)
 
+    @property
+    def is_remote(self) -> bool:
+        """Whether the bytes come by ranged requests (a restore from object storage)."""
+        return self._remote is not None
+
     def read_range(self, offset: int, view: memoryview) -> None:
         """Fill ``view`` from absolute offset ``offset`` of the file whose header was checked."""
         if self._remote is not None:
@@ -321,8 +326,11 @@ class SafetensorsReader:
             for name, entry in self.entries.items()
         }
         if self._remote is not None:
-            for name, entry in self.entries.items():
-                self.read_range(entry.start, tensor_bytes(out[name]))
+            _remote_files.for_each(
+                list(self.entries.items()),
+                lambda item: self.read_range(item[1].start, tensor_bytes(out[item[0]])),
+                remote=True,
+            )
             return out
         fd = self._open()
         try:

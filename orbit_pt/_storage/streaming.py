@@ -19,6 +19,7 @@ writer aborts.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import threading
@@ -56,6 +57,7 @@ class PartBuffers:
         self._out = 0
         self._sending = 0
         self._spare: list[bytearray] = []
+        self._retired = False
         self._changed = threading.Condition()
 
     def take(self) -> bytearray | None:
@@ -77,8 +79,15 @@ class PartBuffers:
             self._out -= 1
             if sent:
                 self._sending -= 1
-            self._spare.append(buffer)
+            if not self._retired:
+                self._spare.append(buffer)
             self._changed.notify_all()
+
+    def retire(self) -> None:
+        """The writes are over: free buffers as they come back instead of keeping them."""
+        with self._changed:
+            self._retired = True
+            self._spare.clear()
 
 
 class FileParts:
@@ -138,7 +147,7 @@ class FileParts:
                 a, z = max(offset, start), min(end, stop)
                 held = self._buffers.get(index)
                 if held is not None:
-                    held[a - start : z - start] = data[a - offset : z - offset]
+                    _copy(held, a - start, data[a - offset : z - offset])
                 if _add(self._covered[index], a, z) == [(start, stop)]:
                     self._sent.add(index)
                     ready.append((index, self._buffers.pop(index, None)))
@@ -244,6 +253,7 @@ class StreamingUpload:
         from orbit_pt._storage.remote import each_in_parallel
 
         self.remote.check_lease()
+        self._buffers.retire()
         with self._lock:
             streamed = dict(self._files)
         late: list[int] = []  # per streamed file, the parts sent only now
@@ -302,3 +312,13 @@ def _add(covered: list[tuple[int, int]], start: int, end: int) -> list[tuple[int
     merged.sort()
     covered[:] = merged
     return covered
+
+
+def _copy(target: bytearray, at: int, source: memoryview) -> None:
+    """``target[at:at + len(source)] = source``, without the GIL where the source allows it."""
+    address = _direct_io.address_of(source)
+    if address is None:
+        target[at : at + source.nbytes] = source
+        return
+    base = ctypes.addressof(ctypes.c_char.from_buffer(target))
+    ctypes.memmove(base + at, address, source.nbytes)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from orbit_pt._format.remote_files import is_file, names_in
+from orbit_pt._format.remote_files import for_each, is_file, names_in
 from orbit_pt._format.safe_open import read_json_object
 from orbit_pt._format.safetensors import (
     DTYPE_TO_NAME,
@@ -531,13 +531,18 @@ class ModelHandler:
                 directory,
                 plan.widened[0],
             )
+
+        def load(planned: tuple[str, torch.Tensor]) -> None:
+            name, tensor = planned
+            if is_dtensor(tensor):
+                # Only the rows this rank holds, straight into its local shard.
+                read_local(readers[name], name, tensor, out=tensor.to_local())  # type: ignore[attr-defined]
+            else:
+                readers[name].read_into(name, tensor)
+
+        remote = any(reader.is_remote for reader in readers.values())
         with torch.no_grad():
-            for name, tensor in plan.loads:
-                if is_dtensor(tensor):
-                    # Only the rows this rank holds, straight into its local shard.
-                    read_local(readers[name], name, tensor, out=tensor.to_local())  # type: ignore[attr-defined]
-                else:
-                    readers[name].read_into(name, tensor)
+            for_each(plan.loads, load, remote=remote)
             if plan.converted:
                 assert layout is not None
                 _read_converted(layout, plan.converted, readers)

@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 import torch
 
+from orbit_pt._format.remote_files import for_each
 from orbit_pt._format.safetensors import SafetensorsReader, fits_in_place, plan_file
 from orbit_pt._format.sharding import (
     Piece,
@@ -224,12 +225,19 @@ class OptimizerHandler:
         params = _params(optimizer)
         saved_state = structure["state"]
         state: dict[int, Any] = {}
-        for position, (name, param) in enumerate(zip(names, params, strict=True)):
+        pairs = list(zip(names, params, strict=True))
+
+        def read(position: int) -> None:
+            name, param = pairs[position]
             current = optimizer.state.get(param, {})
             if name in saved_state:
                 state[position] = _materialize_like(saved_state[name], reader, param, current)
             elif name in plan.missing and current:
                 state[position] = current  # not in the checkpoint: left as it is
+
+        # By ranged requests (object storage), several parameters' state at once.
+        for_each(range(len(pairs)), read, remote=reader.is_remote)
+        state = dict(sorted(state.items()))
         live_groups = list(optimizer.param_groups)
         groups = []
         start = 0
