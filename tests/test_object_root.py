@@ -310,6 +310,26 @@ def test_a_writer_killed_mid_upload_leaves_the_committed_steps(
     assert not any(k.startswith("step_00000002/") for k in _keys(root))
 
 
+def test_the_retry_policy_is_a_storage_option(s3_faults: Any, tmp_path: Path) -> None:
+    proxy, s3 = s3_faults
+    root = _root(s3, tmp_path)
+    once = {**root["options"], "retry": {"max_attempts": 1}}
+    with CheckpointManager(root["url"], storage_options=once) as mgr:
+        proxy.fail("slowdown", 1, method="PUT")
+        with pytest.raises(CheckpointSaveError, match=r"SlowDown|503"):
+            mgr.save(1, {"w": torch.arange(10.0)})  # not retried: one attempt
+        assert mgr.all_steps() == []
+    patient = {**root["options"], "retry": {"max_attempts": 3, "initial_backoff": 0.001}}
+    with CheckpointManager(root["url"], storage_options=patient) as mgr:
+        proxy.fail("slowdown", 2, method="PUT")
+        mgr.save(1, {"w": torch.arange(10.0)})  # two 503s, then the third attempt goes through
+        assert mgr.all_steps() == [1]
+    for bad, why in (({"attempts": 2}, "max_attempts"), ("often", "must be a dict"),
+                     ({"max_attempts": 0}, "max_attempts must be >= 1")):  # fmt: skip
+        with pytest.raises(CheckpointValueError, match=why):
+            CheckpointManager(root["url"], storage_options={**root["options"], "retry": bad})
+
+
 def test_storage_option_errors(root: dict[str, Any], tmp_path: Path) -> None:
     with pytest.raises(CheckpointValueError, match="not_an_option"):
         CheckpointManager(root["url"], storage_options={**root["options"], "not_an_option": 1})

@@ -419,8 +419,8 @@ def open_root(
 ) -> tuple[Path, RemoteRoot | None]:
     """The local folder a store works in, and the object-store root when ``root`` is a URL.
 
-    orbit_pt's own ``storage_options`` (``cache_dir``, ``lease_seconds``, ``takeover``) are
-    taken out; the others go to the object-store client as its keyword arguments.
+    orbit_pt's own ``storage_options`` (``cache_dir``, ``lease_seconds``, ``takeover``,
+    ``retry``) are taken out; the others go to the object-store client as its keyword arguments.
     """
     options = dict(storage_options or {})
     if not is_url(root):
@@ -448,9 +448,23 @@ def open_root(
         raise CheckpointValueError(
             f"storage_options['takeover'] must be True or False, got {takeover!r}"
         )
-    from orbit_pt._storage.objects import open_store  # the client library: only for URLs
+    from orbit_pt._storage.objects import RetryPolicy, open_store  # only for URLs
 
-    store, prefix = open_store(url, options)
+    retry = options.pop("retry", None)
+    if isinstance(retry, Mapping):
+        try:
+            retry = RetryPolicy(**retry)
+        except TypeError as exc:
+            raise CheckpointValueError(
+                f"storage_options['retry'] takes max_attempts, initial_backoff and max_backoff; "
+                f"got {sorted(retry)}: {exc}"
+            ) from exc
+    elif retry is not None and not isinstance(retry, RetryPolicy):
+        raise CheckpointValueError(
+            f"storage_options['retry'] must be a dict such as {{'max_attempts': 4}} or a "
+            f"RetryPolicy, got {retry!r}"
+        )
+    store, prefix = open_store(url, options, retry=retry)
     if cache_dir is None:
         digest = hashlib.sha256(url.encode()).hexdigest()[:16]
         mirror = Path.home() / ".cache" / "orbit_pt" / digest
