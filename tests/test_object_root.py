@@ -404,11 +404,14 @@ def test_the_cli_reads_and_prunes_an_object_store_root(
     with CheckpointManager(root["url"], options=options, storage_options=root["options"]) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, {"model": _model(step)}, metrics={"loss": float(step)})
+        mgr.save(3, {"model": _model(3)}, metrics={"loss": 3.0})  # saved again: 3 is replaced
     flags = [f"--storage-option=cache_dir={tmp_path / 'cli'}"]
     listed = _cli("ls", root["url"], "--json", *flags)
     assert listed.returncode == 0, listed.stderr
     doc = json.loads(listed.stdout)
-    assert [e["step"] for e in doc["entries"]] == [1, 2, 3]
+    assert [(e["step"], e["status"]) for e in doc["entries"]] == [
+        (1, "committed"), (2, "committed"), (3, "committed"), (3, "superseded"),
+    ]  # fmt: skip
     assert doc["retention"] == "recorded"  # the writer's record was uploaded beside the steps
     # with the endpoint given as an option instead of the environment
     endpoint = root["options"]["endpoint_url"]

@@ -482,7 +482,8 @@ def sync_mirror(
     For tools that read a root folder (``orbit-pt ls``, ``info``, ``verify``, ``export``): every
     committed step gets its metadata there, and its files too where ``files`` says so (True:
     every step; a step number: that step; None: the latest), mirrored steps
-    the store no longer holds are removed, and the writer's retention record is copied. The
+    the store no longer holds are removed, and the writer's retention record is copied. Steps a
+    rollback moved into ``superseded/`` get their metadata only. The
     folder is the tools' own cache (``cache_dir``, default under ``~/.cache/orbit_pt/tools``),
     never a training job's mirror, which its writer changes under its own rules.
     """
@@ -515,12 +516,35 @@ def sync_mirror(
                 wanted = [r for r, f in meta.files.items() if not _fs.has_size(folder / r, f.size)]
                 if wanted:
                     remote.download(step, wanted, folder)
+        _sync_superseded(remote, mirror / _layout.SUPERSEDED_DIR)
         record = remote.get_root_file(_layout.RETENTION_FILE)
         if record is not None:
             (mirror / _layout.RETENTION_FILE).write_bytes(record)
     finally:
         remote.store.close()
     return mirror
+
+
+def _sync_superseded(remote: RemoteRoot, folder: Path) -> None:
+    """The markers of the store's ``superseded/`` entries, each in a folder of its own name
+    (what ``ls`` lists; their files stay in the store), and nothing the store no longer has."""
+    base = remote.key(_layout.SUPERSEDED_DIR) + "/"
+    markers = {
+        info.key[len(base) :].split("/")[0]: info.key
+        for info in remote.store.list(base)
+        if info.key.endswith("/" + _layout.METADATA_FILE)
+        and info.key[len(base) :].count("/") == 1
+        and _layout.parse_superseded_name(info.key[len(base) :].split("/")[0]) is not None
+    }
+    if folder.is_dir():
+        for entry in os.scandir(folder):
+            if entry.name not in markers:
+                _fs.remove_tree(Path(entry.path))
+    for name, key in markers.items():
+        marker = folder / name / _layout.METADATA_FILE
+        if not marker.is_file():
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_bytes(remote.store.get(key))
 
 
 def _when(seconds: float) -> str:
