@@ -263,7 +263,7 @@ class RecipeState:
             for name in saved:
                 live = current.get(name)
                 if live is not None and not isinstance(live, RNGState) and has_state_dict(live):
-                    live.state_dict()
+                    _build_now(live)
             for rng, value in rngs:
                 rng.load_state_dict(value)
 
@@ -325,3 +325,22 @@ def _as_python_state(saved: Any) -> tuple[Any, ...]:
     # random.setstate insists on tuples; a state that went through lists is converted back.
     version, internal, gauss = saved
     return (version, tuple(internal), gauss)
+
+
+# Where loader wrappers keep the loader they wrap: Accelerate's prepared loaders
+# (``DataLoaderShard``, ``DataLoaderDispatcher``) hold it as ``base_dataloader``.
+_WRAPPED_LOADER_ATTRS = ("base_dataloader",)
+
+
+def _build_now(live: Any) -> None:
+    """Ask ``live`` (and any loader it wraps) for its state, so that lazy set-up happens now.
+
+    A wrapper may answer ``state_dict()`` from a copy it cached (Accelerate's prepared loaders
+    do), never reaching the ``StatefulDataLoader`` inside, whose resumed iterator would then
+    draw its seed after the generators are restored; so the wrapped loader is asked too.
+    """
+    live.state_dict()
+    for attr in _WRAPPED_LOADER_ATTRS:
+        inner = live.__dict__.get(attr) if hasattr(live, "__dict__") else None
+        if inner is not None and inner is not live and has_state_dict(inner):
+            _build_now(inner)
