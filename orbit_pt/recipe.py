@@ -168,7 +168,7 @@ class RecipeState:
         """
         fields = self.fields()
         state = {
-            name: value.state_dict() if has_state_dict(value) else value
+            name: _state_of(name, value) if has_state_dict(value) else value
             for name, value in fields.items()
         }
         state[KINDS_KEY] = {
@@ -332,6 +332,30 @@ def _as_python_state(saved: Any) -> tuple[Any, ...]:
 _WRAPPED_LOADER_ATTRS = ("base_dataloader",)
 
 
+def _wrapped(live: Any) -> Any:
+    """The loader ``live`` wraps (see _WRAPPED_LOADER_ATTRS), or None."""
+    for attr in _WRAPPED_LOADER_ATTRS:
+        inner = live.__dict__.get(attr) if hasattr(live, "__dict__") else None
+        if inner is not None and inner is not live:
+            return inner
+    return None
+
+
+def _state_of(name: str, value: Any) -> Any:
+    inner = _wrapped(value)
+    if inner is not None and not has_state_dict(inner):
+        # Accelerate's wrapper has state_dict() either way; over a plain DataLoader it fails
+        # with an AttributeError about its own internals.
+        raise CheckpointTypeError(
+            f"recipe field {name!r} is a data loader prepared by Accelerate around a plain "
+            f"{class_name(type(inner))}, which has no state to save: build the Accelerator "
+            "with dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True) so "
+            "that the loader resumes at its position, or leave the loader out of the "
+            "RecipeState (a resumed run then starts its data over)"
+        )
+    return value.state_dict()
+
+
 def _build_now(live: Any) -> None:
     """Ask ``live`` (and any loader it wraps) for its state, so that lazy set-up happens now.
 
@@ -340,7 +364,6 @@ def _build_now(live: Any) -> None:
     draw its seed after the generators are restored; so the wrapped loader is asked too.
     """
     live.state_dict()
-    for attr in _WRAPPED_LOADER_ATTRS:
-        inner = live.__dict__.get(attr) if hasattr(live, "__dict__") else None
-        if inner is not None and inner is not live and has_state_dict(inner):
-            _build_now(inner)
+    inner = _wrapped(live)
+    if inner is not None and has_state_dict(inner):
+        _build_now(inner)

@@ -47,3 +47,20 @@ def test_a_run_resumed_in_a_new_process_matches_the_uninterrupted_one(
     saved = stop - stop % 2  # the latest step saved before the cut
     assert first["losses"][:saved] + resumed["losses"] == whole["losses"]
     assert resumed["weights"] == whole["weights"]
+
+
+def test_a_prepared_loader_that_is_not_stateful_is_a_clear_error(tmp_path: Path) -> None:
+    import torch
+    from accelerate import Accelerator
+
+    from orbit_pt import CheckpointManager, CheckpointSaveError, RecipeState, RNGState
+
+    accelerator = Accelerator(cpu=True)  # use_stateful_dataloader is off by default
+    data = torch.utils.data.TensorDataset(torch.randn(8, 2))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=2, shuffle=True))
+    recipe = RecipeState(step=0, rng=RNGState(), dataloader=loader)
+    with CheckpointManager(tmp_path / "root") as mgr:
+        mgr.save(1, {"recipe": RecipeState(step=1)})
+        with pytest.raises(CheckpointSaveError, match="use_stateful_dataloader=True"):
+            mgr.save(2, {"recipe": recipe})
+        assert mgr.all_steps() == [1]  # nothing of step 2, the committed step untouched
