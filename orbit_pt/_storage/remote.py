@@ -11,9 +11,10 @@ is uploaded and its size confirmed. Under the root's prefix ``P``::
     P/.orbit-lease                          the writer's lease (a conditional put)
     P/.orbit-retention.json                 the writer's retention options (for ``ls``)
 
-The step is written first into a local folder, the *mirror* (``storage_options["cache_dir"]``,
-by default under ``~/.cache/orbit_pt``), with the local commit protocol; its files are then
-uploaded, many parts in flight, and the marker put. The mirror keeps the committed steps' files
+The step is written into a local folder, the *mirror* (``storage_options["cache_dir"]``, by
+default under ``~/.cache/orbit_pt``), with the local commit protocol; its large files upload
+while they are written (``streaming.py``), the rest once every rank has written, and then the
+uploads are completed and the marker put. The mirror keeps the committed steps' files
 so that a restore of a recent step reads local files; a step whose files are not there is
 downloaded into it first. So the mirror needs room for the steps retention keeps.
 
@@ -140,14 +141,6 @@ class RemoteRoot:
 
     # --------------------------------------------------------------------------------- commit
 
-    def upload_files(self, step: int, folder: Path, meta: StepMetadata) -> None:
-        """Upload every file the metadata lists from ``folder``; not yet the commit.
-
-        Several files at once, each in parallel parts; each upload's size is confirmed.
-        """
-        self.check_lease()
-        each_in_parallel(lambda rel: self.upload_file(step, rel, folder / rel), sorted(meta.files))
-
     def upload_file(self, step: int, rel: str, path: Path) -> None:
         """Upload the file ``rel`` of ``step`` from ``path``; the stored size is confirmed."""
         key = self.step_key(step, rel)
@@ -162,7 +155,7 @@ class RemoteRoot:
             )
 
     def put_marker(self, step: int, folder: Path) -> None:
-        """Put the step's metadata object: the commit point (after :meth:`upload_files`)."""
+        """Put the step's metadata object: the commit point, once every file is uploaded."""
         self.check_lease()  # a writer that lost its lease must not commit over the new one
         marker = (folder / _layout.METADATA_FILE).read_bytes()
         self.store.put(self.step_key(step, _layout.METADATA_FILE), marker)

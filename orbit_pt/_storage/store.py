@@ -581,10 +581,8 @@ class StepStore:
                 # files' parts are mostly sent already; nothing is visible until completed.
                 with self._mutex:
                     superseded = self._supersede_from(step, moved)
-                if stream is not None:
-                    self._upload(step, lambda: stream.upload(meta))
-                else:
-                    self._upload(step, lambda: remote.upload_files(step, tmp, meta))
+                assert stream is not None  # rank 0 of a shared mirror streams (commit)
+                self._upload(step, lambda: stream.upload(meta))
                 with self._mutex:
                     self._upload(step, lambda: remote.put_marker(step, tmp))  # the commit point
                     committed = True

@@ -4,8 +4,10 @@ A save to object storage writes the step into the local mirror, then uploads it;
 the other, the save costs the write plus the upload. Here the upload starts with the write: every
 file larger than a part is a multipart upload opened when its writer opens it, and each part is
 sent as soon as all of its bytes are in the file (the writer reports each range it writes,
-:func:`orbit_pt._format.direct_io.watching`). Parts are read back from the file, so no buffer
-is held for them beyond the parts in flight.
+:func:`orbit_pt._format.direct_io.watching`). The reported bytes are copied into part buffers on
+their way, so nothing is read back; the buffers are few (:class:`PartBuffers`), and a writer that
+would need more waits for a sent part to return its buffer, which keeps the write at the
+upload's pace.
 
 What the writer did not report is sent at the end, when every rank has written: the bytes other
 ranks wrote into a shared file, headers written outside the writer, small files. A range written
