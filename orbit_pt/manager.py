@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from orbit_pt import _version
 from orbit_pt._control.background import BackgroundSaver
-from orbit_pt._control.collective import AgreedError, Collective
+from orbit_pt._control.collective import AgreedError, Collective, PeerError
 from orbit_pt._control.preemption import PreemptionWatcher
 from orbit_pt._control.preemption_agreement import PreemptionAgreement
 from orbit_pt._format import progress as _progress
@@ -43,7 +43,7 @@ from orbit_pt.handlers.base import (
     per_rank_error,
 )
 from orbit_pt.metadata import FileMetadata, ItemMetadata, StepMetadata, validate_metrics
-from orbit_pt.options import CheckpointManagerOptions
+from orbit_pt.options import CheckpointManagerOptions, timeout_of
 from orbit_pt.policies import CheckpointInfo
 from orbit_pt.retention import RetentionDecision, decide, record
 
@@ -110,7 +110,11 @@ class CheckpointManager:
         # A writer's collective is collective to create (every rank constructs its manager at
         # the same point); a read-only manager's never talks to other ranks, so an evaluator may
         # open one on rank 0 alone.
-        self._dist = Collective.local() if self._options.read_only else Collective()
+        self._dist = (
+            Collective.local()
+            if self._options.read_only
+            else Collective(timeout=timeout_of(self._options))
+        )
         # The background commit talks over a gloo group of its own, so that its agreements never
         # interleave with the training thread's (preemption checks, plans, sync saves).
         self._background_dist = (
@@ -285,7 +289,7 @@ class CheckpointManager:
             staged = None
             if self._options.async_save and not preemption:
                 staged = self._stage(handlers, items, context)
-        except AgreedError as exc:
+        except (AgreedError, PeerError) as exc:
             raise CheckpointSaveError(step, self.directory, str(exc)) from exc
         if staged is not None:
             job = self._save_job(step, handlers, staged, context, metric_values)

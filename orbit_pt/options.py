@@ -56,6 +56,10 @@ class CheckpointManagerOptions:
             preemption step was saved (see ``CheckpointManager.save``). The default, 143
             (128 + SIGTERM), is what schedulers read as "stopped by SIGTERM": torchelastic and a
             Kubernetes Job count it as a failure to retry, never as a job that completed.
+        agreement_timeout: under torch.distributed, how long (seconds, or a ``timedelta``) a
+            rank waits in one of the manager's agreements for the other ranks before its
+            save, restore or preemption check fails. None keeps gloo's own default, 30
+            minutes, which is also what a rank waits for a peer that is alive but stuck.
     """
 
     save_interval_steps: int | None = None
@@ -73,6 +77,7 @@ class CheckpointManagerOptions:
     preemption_signals: Sequence[signal.Signals] = (signal.SIGTERM,)
     verify_on_restore: bool = False
     preemption_exit_code: int = 143
+    agreement_timeout: float | datetime.timedelta | None = None
 
     def __post_init__(self) -> None:
         if self.keep_best_n is not None and self.best_metric is None:
@@ -89,6 +94,16 @@ class CheckpointManagerOptions:
             if not isinstance(getattr(self, name), bool):
                 raise CheckpointTypeError(
                     f"{name} must be True or False, got {getattr(self, name)!r}"
+                )
+        timeout = self.agreement_timeout
+        if timeout is not None:
+            seconds: object = timeout
+            if isinstance(timeout, datetime.timedelta):
+                seconds = timeout.total_seconds()
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+                raise CheckpointValueError(
+                    f"agreement_timeout must be a positive number of seconds or a timedelta, got "
+                    f"{timeout!r}"
                 )
         code = self.preemption_exit_code
         if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code <= 255:
@@ -240,3 +255,11 @@ def _seconds(value: float | datetime.timedelta) -> float:
     if isinstance(value, datetime.timedelta):
         return value.total_seconds()
     return value
+
+
+def timeout_of(options: CheckpointManagerOptions) -> datetime.timedelta | None:
+    """``agreement_timeout`` as a ``timedelta`` (None: the process group's default)."""
+    timeout = options.agreement_timeout
+    if timeout is None or isinstance(timeout, datetime.timedelta):
+        return timeout
+    return datetime.timedelta(seconds=float(timeout))

@@ -149,3 +149,37 @@ def _lock_error_everywhere(rank: int, world_size: int, root: str) -> None:
 
 def test_lock_failure_on_rank_0_is_an_error_on_every_rank(tmp_path: Path) -> None:
     run_ranks(2, _lock_error_everywhere, str(tmp_path))
+
+
+def _one_rank_stuck(rank: int, world_size: int, root: str) -> None:
+    import time
+
+    options = CheckpointManagerOptions(agreement_timeout=2.0)
+    with CheckpointManager(root, options=options) as mgr:
+        mgr.save(0, {"x": {"v": torch.ones(2)}})
+        if rank == 1:
+            time.sleep(8)  # alive, but away (a hung data loader, a debugger...)
+        started = time.monotonic()
+        with pytest.raises(CheckpointSaveError, match="did not answer") as info:
+            mgr.save(1, {"x": {"v": torch.zeros(2)}})
+        waited = time.monotonic() - started
+        assert "agreement_timeout" in str(info.value)
+        if rank == 0:  # it gave up after the timeout, not gloo's 30 minutes
+            assert 1.5 < waited < 6.0, waited
+        assert mgr.all_steps() == [0]
+
+
+def test_a_rank_stuck_alive_fails_the_others_after_agreement_timeout(tmp_path: Path) -> None:
+    run_ranks(2, _one_rank_stuck, str(tmp_path), timeout=120)
+    assert not list(tmp_path.glob("*.orbit-tmp"))
+
+
+def test_agreement_timeout_must_be_positive() -> None:
+    from datetime import timedelta
+
+    from orbit_pt import CheckpointValueError
+
+    for bad in (0, -1.0, "5", True, timedelta(0)):
+        with pytest.raises(CheckpointValueError, match="agreement_timeout"):
+            CheckpointManagerOptions(agreement_timeout=bad)  # type: ignore[arg-type]
+    assert CheckpointManagerOptions(agreement_timeout=timedelta(minutes=5)).agreement_timeout

@@ -7,11 +7,13 @@ never puts a NCCL collective on a background thread. On one process every method
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import datetime
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 import torch
@@ -61,6 +63,33 @@ def _json_round_trip(value: Any) -> Any:
     return json.loads(json.dumps(value, allow_nan=False))
 
 
+class PeerError(CheckpointError):
+    """A collective with the other ranks failed: a rank died, or did not arrive in time.
+
+    Unlike :class:`AgreedError`, only the ranks that waited raise it; the chained error is
+    gloo's own.
+    """
+
+
+@contextlib.contextmanager
+def _with_peers(timeout: datetime.timedelta | None) -> Iterator[None]:
+    """Turn a failed gloo collective (a RuntimeError) into a :class:`PeerError` that says why."""
+    try:
+        yield
+    except RuntimeError as exc:
+        waited = (
+            f"{timeout.total_seconds():g} s (CheckpointManagerOptions.agreement_timeout)"
+            if timeout is not None
+            else "gloo's default timeout (30 minutes; CheckpointManagerOptions.agreement_timeout "
+            "sets it)"
+        )
+        raise PeerError(
+            f"the other ranks did not answer orbit_pt's collective: a rank died, or is alive but "
+            f"did not reach the same save, restore or should_save call within {waited}. Every "
+            f"rank must make the same calls at the same steps. gloo said: {exc}"
+        ) from exc
+
+
 class InFlightAny:
     """A MAX all-reduce of one flag that was started and may not have finished
     (:meth:`Collective.start_any`)."""
@@ -103,10 +132,11 @@ class Collective:
     other ranks, so it can be used on any subset of them.
     """
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, *, timeout: datetime.timedelta | None = None) -> None:
         self.enabled = dist.is_available() and dist.is_initialized()
         self._owns_group = False
         self._in_flight: InFlightAny | None = None
+        self.timeout = timeout
         if not self.enabled:
             self.rank, self.world_size, self.group = 0, 1, None
             return
@@ -114,7 +144,9 @@ class Collective:
         self.world_size = dist.get_world_size()
         if group is None:
             # new_group is itself collective: every rank constructs its manager at that point.
-            group = dist.new_group(backend="gloo")
+            # The timeout bounds every collective on the group: how long a rank waits for a
+            # peer that is alive but does not arrive (None: gloo's default, 30 minutes).
+            group = dist.new_group(backend="gloo", timeout=timeout)
             self._owns_group = True
         self.group = group
 
@@ -132,7 +164,7 @@ class Collective:
     def new_group(self) -> Collective:
         """A collective over a second gloo group of its own (for a background thread, so that
         its traffic never interleaves with the training thread's)."""
-        return Collective() if self.enabled else self
+        return Collective(timeout=self.timeout) if self.enabled else self
 
     def close(self) -> None:
         """Destroy the gloo group this collective created (idempotent; local, not collective)."""
@@ -168,10 +200,11 @@ class Collective:
         self._settle()
         payload = _encode(value) if self.rank == 0 else torch.empty(0, dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
-        dist.broadcast(size, src=self._global(0), group=self.group)
-        if self.rank != 0:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.broadcast(payload, src=self._global(0), group=self.group)
+        with _with_peers(self.timeout):
+            dist.broadcast(size, src=self._global(0), group=self.group)
+            if self.rank != 0:
+                payload = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.broadcast(payload, src=self._global(0), group=self.group)
         return _decode(payload)
 
     def all_gather(self, value: Any) -> list[Any]:
@@ -181,7 +214,8 @@ class Collective:
         self._settle()
         padded, sizes = self._padded(value)
         gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(gathered, padded, group=self.group)
+        with _with_peers(self.timeout):
+            dist.all_gather(gathered, padded, group=self.group)
         return [_decode(g[: int(n.item())]) for g, n in zip(gathered, sizes, strict=True)]
 
     def _padded(self, value: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -190,7 +224,8 @@ class Collective:
         payload = _encode(value)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         sizes = [torch.empty_like(size) for _ in range(self.world_size)]
-        dist.all_gather(sizes, size, group=self.group)
+        with _with_peers(self.timeout):
+            dist.all_gather(sizes, size, group=self.group)
         padded = torch.zeros(max(int(s.item()) for s in sizes), dtype=torch.uint8)
         padded[: payload.numel()] = payload
         return padded, sizes
@@ -207,7 +242,8 @@ class Collective:
         padded, sizes = self._padded(value)
         primary = self.rank == 0
         gathered = [torch.empty_like(padded) for _ in range(self.world_size)] if primary else None
-        dist.gather(padded, gathered, dst=self._global(0), group=self.group)
+        with _with_peers(self.timeout):
+            dist.gather(padded, gathered, dst=self._global(0), group=self.group)
         if gathered is None:
             return None
         return [_decode(g[: int(n.item())]) for g, n in zip(gathered, sizes, strict=True)]
@@ -321,7 +357,8 @@ class Collective:
         """Wait for the all-reduce that :meth:`start_any` left in flight, if any."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
-            in_flight.wait()
+            with _with_peers(self.timeout):
+                in_flight.wait()
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else 0
