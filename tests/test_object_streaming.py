@@ -202,6 +202,28 @@ def test_the_buffers_bound_memory_and_come_back(tmp_path: Path) -> None:
     assert c is a  # reused, not a new allocation
 
 
+def test_a_send_that_cannot_be_queued_returns_its_buffer(tmp_path: Path) -> None:
+    # If queueing a part fails at once, nothing would ever return its buffer, and the next
+    # writer needing one would wait forever.
+    class Refusing:
+        def send(self, number: int, read: Any, done: Any = None) -> None:
+            raise RuntimeError("the client's event loop is gone")
+
+        def finish(self, size: int) -> None: ...
+
+        def abort(self) -> None: ...
+
+    path, data = _file(tmp_path, 2 * PART, seed=6)
+    pool = PartBuffers(1, PART)
+    parts = FileParts(Refusing(), path, len(data), PART, pool)
+    try:
+        with pytest.raises(RuntimeError, match="event loop is gone"):
+            parts.written(0, memoryview(data)[:PART])
+        assert pool.take() is not None  # the buffer came back: no wait, no None
+    finally:
+        parts.close()
+
+
 # ----------------------------------------------------------------------------------- saves
 
 

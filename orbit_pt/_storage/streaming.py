@@ -165,11 +165,17 @@ class FileParts:
         if held is not None:
             buffer = held
             self._pool.hand_over()
-            self.upload.send(
-                index + 1,
-                lambda: buffer if len(buffer) == length else bytes(buffer[:length]),
-                lambda: self._pool.give(buffer, sent=True),
-            )
+            try:
+                self.upload.send(
+                    index + 1,
+                    lambda: buffer if len(buffer) == length else bytes(buffer[:length]),
+                    lambda: self._pool.give(buffer, sent=True),
+                )
+            except BaseException:
+                # Not queued, so never coming back on its own: a writer waiting for a buffer
+                # would wait forever.
+                self._pool.give(buffer, sent=True)
+                raise
             return
 
         def read() -> Body:
