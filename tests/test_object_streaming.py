@@ -9,6 +9,7 @@ and that a rollback's new step replaces the old one only at the commit.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -77,6 +78,18 @@ def _open_uploads(s3: S3Root) -> list[str]:
     return [u["Key"] for u in answer.get("Uploads", [])]
 
 
+@contextlib.contextmanager
+def _parts(
+    upload: Any, path: Path, size: int, pool: PartBuffers | None = None
+) -> Iterator[FileParts]:
+    """A FileParts for ``path``, closed after; 4 buffers of its own unless ``pool``."""
+    parts = FileParts(upload, path, size, PART, pool or PartBuffers(4, PART))
+    try:
+        yield parts
+    finally:
+        parts.close()
+
+
 def _feed(
     store: ObjectStore,
     key: str,
@@ -88,14 +101,11 @@ def _feed(
 ) -> tuple[FileParts, int]:
     """Write ``writes`` ((offset, length) of ``data``) to ``path``, reporting each to a
     FileParts; finish it. Returns it and how many parts were sent only at the finish."""
-    parts = FileParts(store.open_upload(key), path, len(data), PART, PartBuffers(buffers, PART))
-    try:
+    with _parts(store.open_upload(key), path, len(data), PartBuffers(buffers, PART)) as parts:
         for offset, length in writes:
             _write(path, offset, data[offset : offset + length])
             parts.written(offset, memoryview(data)[offset : offset + length])
         late = parts.finish()
-    finally:
-        parts.close()
     return parts, late
 
 
@@ -136,16 +146,12 @@ def test_a_part_rewritten_after_it_was_sent_is_sent_again(
     path, data = _file(tmp_path, 2 * PART, seed=3)
     first = bytearray(data)
     first[10:20] = b"0123456789"  # what the part held when it was first sent
-    parts = FileParts(s3.open_upload(f"{prefix}/rewritten"), path, len(data), PART,
-                      PartBuffers(4, PART))  # fmt: skip
-    try:
+    with _parts(s3.open_upload(f"{prefix}/rewritten"), path, len(data)) as parts:
         _write(path, 0, bytes(first))
         parts.written(0, memoryview(first))
         _write(path, 0, data[:PART])  # rewritten: the file now holds ``data``
         parts.written(0, memoryview(data)[:PART])
         assert parts.finish() == 1
-    finally:
-        parts.close()
     assert _stored(s3, f"{prefix}/rewritten") == data
 
 
@@ -155,9 +161,7 @@ def test_bytes_no_write_reported_are_read_from_the_file(
     # As in a file shared by several ranks: rank 0 sees only its own writes.
     s3, prefix = store
     path, data = _file(tmp_path, 3 * PART, seed=4)
-    parts = FileParts(s3.open_upload(f"{prefix}/shared"), path, len(data), PART,
-                      PartBuffers(4, PART))  # fmt: skip
-    try:
+    with _parts(s3.open_upload(f"{prefix}/shared"), path, len(data)) as parts:
         for offset in range(0, len(data), 2 * MiB):  # "rank 0" writes every other 1 MiB
             piece = data[offset : offset + MiB]
             _write(path, offset, piece)
@@ -165,8 +169,6 @@ def test_bytes_no_write_reported_are_read_from_the_file(
         for offset in range(MiB, len(data), 2 * MiB):  # "rank 1", unseen
             _write(path, offset, data[offset : offset + MiB])
         assert parts.finish() == 3
-    finally:
-        parts.close()
     assert _stored(s3, f"{prefix}/shared") == data
 
 
@@ -178,15 +180,12 @@ def test_when_no_buffer_can_come_back_parts_are_read_from_the_file(
     s3, prefix = store
     path, data = _file(tmp_path, 3 * PART, seed=5)
     pool = PartBuffers(1, PART)
-    parts = FileParts(s3.open_upload(f"{prefix}/starved"), path, len(data), PART, pool)
-    try:
+    with _parts(s3.open_upload(f"{prefix}/starved"), path, len(data), pool) as parts:
         _write(path, 0, data[:MiB])
         parts.written(0, memoryview(data)[:MiB])  # part 1 holds the only buffer
         _write(path, MiB, data[MiB:])
         parts.written(PART, memoryview(data)[PART:])  # parts 2 and 3: no buffer, no wait
         assert parts.finish() == 1  # part 1: its bytes past 1 MiB were never reported
-    finally:
-        parts.close()
     assert _stored(s3, f"{prefix}/starved") == data
 
 
@@ -215,13 +214,10 @@ def test_a_send_that_cannot_be_queued_returns_its_buffer(tmp_path: Path) -> None
 
     path, data = _file(tmp_path, 2 * PART, seed=6)
     pool = PartBuffers(1, PART)
-    parts = FileParts(Refusing(), path, len(data), PART, pool)
-    try:
+    with _parts(Refusing(), path, len(data), pool) as parts:
         with pytest.raises(RuntimeError, match="event loop is gone"):
             parts.written(0, memoryview(data)[:PART])
         assert pool.take() is not None  # the buffer came back: no wait, no None
-    finally:
-        parts.close()
 
 
 # ----------------------------------------------------------------------------------- saves
@@ -442,3 +438,55 @@ def test_a_writer_killed_while_streaming_leaves_uploads_the_next_writer_aborts(
         assert successor.all_steps() == [1]
         assert torch.equal(successor.restore(1, ["w"])["w"], torch.arange(1000.0))
     assert _open_uploads(s3_root) == []
+
+
+class _Exploding:
+    def state_dict(self) -> dict[str, Any]:
+        raise OSError("disk on fire")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def _fsdp_save_one_rank_fails(
+    rank: int, world_size: int, url: str, options: dict[str, Any], out: str
+) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    streaming.PART_SIZE = PART
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 8192, bias=False))
+    fully_shard(model)
+    sent: list[int] = []
+    real_send = FileParts._send
+
+    def counting_send(self: FileParts, index: int, held: Any) -> None:
+        sent.append(index)
+        real_send(self, index, held)
+
+    FileParts._send = counting_send  # type: ignore[method-assign]
+    # "model" is written first (rank 0 streams its parts), then rank 1 fails on "z".
+    other = _Exploding() if rank == 1 else {"v": torch.zeros(2)}
+    with CheckpointManager(url, storage_options=options) as mgr:
+        with pytest.raises(CheckpointSaveError, match="disk on fire"):
+            mgr.save(1, {"model": model, "z": other})
+        assert mgr.all_steps() == []
+    if rank == 0:
+        assert sent  # parts had gone up before rank 1's failure
+        Path(out).write_text("ok")
+
+
+def test_a_rank_failing_while_rank_0_streams_leaves_no_upload(
+    s3_root: S3Root, tmp_path: Path
+) -> None:
+    out = tmp_path / "rank0.txt"
+    run_ranks(
+        2, _fsdp_save_one_rank_fails, s3_root.url, _options(s3_root, tmp_path), str(out),
+        timeout=240,
+    )  # fmt: skip
+    assert out.read_text() == "ok"
+    assert _open_uploads(s3_root) == []
+    client = boto3.client("s3")
+    listed = client.list_objects_v2(Bucket=s3_root.server.bucket, Prefix=s3_root.prefix)
+    keys = [o["Key"] for o in listed.get("Contents", [])]
+    assert not [k for k in keys if "/step_" in k], keys
