@@ -31,6 +31,15 @@ IDS = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(5))
 ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]
 
 
+def _adapter_config(folder: Path) -> dict[str, Any]:
+    """``adapter_config.json`` of ``folder``, with ``target_modules`` sorted: PEFT keeps it as a
+    set and writes it in string-hash order, which differs between processes (PYTHONHASHSEED),
+    so the same config may list it in either order."""
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["target_modules"] = sorted(config["target_modules"])
+    return config
+
+
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The pretrained base: a folder written once, as a Hub download would be."""
@@ -103,13 +112,8 @@ def test_adapter_is_saved_as_peft_saves_it(
     theirs = safetensors.torch.load_file(tmp_path / "peft" / "adapter_model.safetensors")
     assert _same(ours, theirs)
     assert all(".lora_" in key for key in ours)
-    config = json.loads((folder / "adapter_config.json").read_text())
-    theirs_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
-    # PEFT keeps target_modules as a set and writes it in hash order (PYTHONHASHSEED): the
-    # same set, in any order, is the same config.
-    for document in (config, theirs_config):
-        document["target_modules"] = sorted(document["target_modules"])
-    assert config == theirs_config
+    config = _adapter_config(folder)
+    assert config == _adapter_config(tmp_path / "peft")
     assert config["base_model_name_or_path"] == str(base_dir)  # where the base lives
     assert config["inference_mode"] is True
 
@@ -336,5 +340,4 @@ def test_an_adapter_under_fsdp2_is_peft_format_and_restores_exactly(
     theirs = safetensors.torch.load_file(ref / "adapter_model.safetensors")
     assert sorted(ours) == sorted(theirs)
     assert _same(ours, theirs)
-    config = json.loads((folder / "adapter_config.json").read_text())
-    assert config == json.loads((ref / "adapter_config.json").read_text())
+    assert _adapter_config(folder) == _adapter_config(ref)
