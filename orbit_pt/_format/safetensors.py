@@ -263,6 +263,9 @@ class SafetensorsReader:
                 return bytes(buffer)
 
             self.entries, self.metadata = _read_header(read_remote, remote.size, self.where)
+            # Runs of small tensors come in one request each, not one per tensor.
+            spans = [(entry.start, entry.end) for entry in self.entries.values()]
+            self._remote = _remote_files.CoalescedReads(remote, spans)
             return
         self.where = str(path)
         try:

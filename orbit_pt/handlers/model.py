@@ -541,8 +541,13 @@ class ModelHandler:
                 readers[name].read_into(name, tensor)
 
         remote = any(reader.is_remote for reader in readers.values())
+        loads = plan.loads
+        if remote:  # in file order: each run of small tensors is then fetched once
+            loads = sorted(
+                loads, key=lambda planned: _file_position(readers[planned[0]], planned[0])
+            )
         with torch.no_grad():
-            for_each(plan.loads, load, remote=remote)
+            for_each(loads, load, remote=remote)
             if plan.converted:
                 assert layout is not None
                 _read_converted(layout, plan.converted, readers)
@@ -902,3 +907,8 @@ def _float_dtype(module: torch.nn.Module) -> torch.dtype:
         if param.is_floating_point():
             return param.dtype
     return torch.float32
+
+
+def _file_position(reader: SafetensorsReader, name: str) -> tuple[str, int]:
+    """Where tensor ``name`` lies: its file, and its offset in it."""
+    return reader.where, reader.entries[name].start
