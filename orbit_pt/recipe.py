@@ -251,7 +251,7 @@ class RecipeState:
             if isinstance(live, RNGState):
                 rngs.append((live, value))
             elif live is not None and has_state_dict(live):
-                live.load_state_dict(value)
+                _load_into(live, value)
             else:
                 setattr(self, str(name), value)
         if rngs:
@@ -353,7 +353,39 @@ def _state_of(name: str, value: Any) -> Any:
             "that the loader resumes at its position, or leave the loader out of the "
             "RecipeState (a resumed run then starts its data over)"
         )
-    return value.state_dict()
+    state = value.state_dict()
+    epoch = _wrapper_epoch(value, state) if inner is not None else None
+    if epoch is not None:
+        state = {**state, WRAPPER_EPOCH_KEY: epoch}
+    return state
+
+
+# Accelerate's prepared loaders count their epochs in ``iteration`` and seed each epoch's
+# shuffle from it when distributed (``set_epoch(iteration)`` at every ``iter()``), but leave
+# it out of ``state_dict()``: resumed, they would shuffle every later epoch as the first one.
+# orbit_pt saves, beside the loader's state, the epoch that its next ``iter()`` will use.
+WRAPPER_EPOCH_KEY = "_orbit_wrapper_epoch"
+
+
+def _wrapper_epoch(wrapper: Any, state: Any) -> int | None:
+    """The epoch ``wrapper``'s next ``iter()`` starts, or None if it counts none."""
+    iteration = wrapper.__dict__.get("iteration")
+    if not isinstance(iteration, int) or isinstance(iteration, bool):
+        return None
+    # Saved after the last batch of an epoch, inside the loop: the epoch's iterator has not
+    # yet returned, so it has not counted the epoch; the next iter() starts the one after.
+    finished = isinstance(state, Mapping) and state.get("_iterator_finished") is True
+    active = getattr(getattr(wrapper, "gradient_state", None), "dataloader_references", ())
+    in_epoch = any(loader is wrapper for loader in active or ())
+    return iteration + 1 if finished and in_epoch else iteration
+
+
+def _load_into(live: Any, saved: Any) -> None:
+    """``live.load_state_dict(saved)``, and a loader wrapper's epoch (see WRAPPER_EPOCH_KEY)."""
+    if isinstance(saved, Mapping) and WRAPPER_EPOCH_KEY in saved and _wrapped(live) is not None:
+        saved = dict(saved)
+        live.iteration = int(saved.pop(WRAPPER_EPOCH_KEY))
+    live.load_state_dict(saved)
 
 
 def _build_now(live: Any) -> None:
