@@ -1,0 +1,204 @@
+"""orbit_pt.integrations.accelerate: a fine-tune through Accelerate resumes exactly.
+
+Each run is a new process (tests/_accelerate_integration_worker.py): a tiny GPT-2 with dropout
+on, AdamW, a warm-up scheduler, a shuffling StatefulDataLoader, gradient accumulation and an
+object registered for checkpointing, all prepared by an Accelerator. A run cut mid-epoch and
+resumed with ``load_state`` sees the same batches and the same per-batch losses, bitwise, as
+the uninterrupted run, and ends with the same weights -- alone, and on 2 gloo ranks (DDP)
+under torchrun. Retention follows ``ProjectConfiguration(total_limit=...)`` as Accelerate's
+own ``save_state`` does, and bad input is a clear orbit_pt error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+pytest.importorskip("torchdata")
+transformers = pytest.importorskip("transformers")
+
+from orbit_pt import (  # noqa: E402
+    CheckpointManager,
+    CheckpointTypeError,
+    StepNotFoundError,
+)
+from orbit_pt.integrations import accelerate as orbit  # noqa: E402
+
+WORKER = Path(__file__).with_name("_accelerate_integration_worker.py")
+REPO = Path(__file__).parents[1]
+STEPS = 20  # 12 batches an epoch alone, 6 a rank on 2 ranks: cuts cross epoch boundaries
+
+
+def _run(root: Path, mode: str, out: Path, *extra: str, ranks: int = 1) -> list[dict[str, Any]]:
+    """Run the worker (under torchrun with ``ranks`` > 1); each rank's results."""
+    launcher = [sys.executable]
+    if ranks > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    done = subprocess.run(
+        [*launcher, str(WORKER), str(root), mode, f"--steps={STEPS}", f"--out={out}", *extra],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    paths = [out] if ranks == 1 else [Path(f"{out}.rank{r}") for r in range(ranks)]
+    return [json.loads(path.read_text()) for path in paths]
+
+
+def _resumes_exactly(tmp_path: Path, stop: int, *extra: str, ranks: int = 1) -> None:
+    whole = _run(tmp_path / "whole", "first", tmp_path / "whole.json", *extra, ranks=ranks)
+    cut = tmp_path / "cut"
+    first = _run(cut, "first", tmp_path / "first.json", f"--stop={stop}", *extra, ranks=ranks)
+    resumed = _run(cut, "resume", tmp_path / "resumed.json", *extra, ranks=ranks)
+    saved = stop - stop % 2  # the manager saves every 2nd batch
+    for rank in range(ranks):
+        assert first[rank]["data"][:saved] + resumed[rank]["data"] == whole[rank]["data"]
+        assert first[rank]["losses"][:saved] + resumed[rank]["losses"] == whole[rank]["losses"]
+        assert resumed[rank]["weights"] == whole[rank]["weights"]
+    _check_step_folder(tmp_path / "whole", whole[0]["weights"])
+
+
+def _check_step_folder(root: Path, weights: str) -> None:
+    """Only safetensors, JSON and msgpack; model/ loads in from_pretrained with the weights."""
+    with CheckpointManager(root) as mgr:
+        latest = mgr.latest_step()
+        assert latest == STEPS
+        folder = mgr.step_dir(latest)
+    files = [path for path in folder.rglob("*") if path.is_file()]
+    others = [p.name for p in files if p.suffix not in (".safetensors", ".json", ".msgpack")]
+    assert others == ["_CHECKPOINT_METADATA"]  # JSON too
+    model = transformers.GPT2LMHeadModel.from_pretrained(folder / "model")
+    digest = hashlib.sha256()
+    for name, value in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(value.detach().contiguous().numpy().tobytes())
+    assert digest.hexdigest() == weights
+
+
+@pytest.mark.parametrize("stop", [7, 15])  # mid-epoch in the first epoch; in the second
+def test_a_run_resumed_in_a_new_process_matches_the_uninterrupted_one(
+    tmp_path: Path, stop: int
+) -> None:
+    _resumes_exactly(tmp_path, stop)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stop", [7, 9])  # just after an epoch's last batch; mid-epoch
+def test_ddp_on_two_ranks_resumes_exactly_with_a_seedable_sampler(
+    tmp_path: Path, stop: int
+) -> None:
+    _resumes_exactly(tmp_path, stop, "--seedable", ranks=2)
+
+
+# ------------------------------------------------------------------------------ in process
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.n = state["n"]
+
+
+def _accelerator(project_dir: Path, total_limit: int | None = None) -> Any:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
+
+    AcceleratorState._reset_state(True)  # one Accelerator per test, as in a fresh process
+    GradientState._reset_state()
+    return Accelerator(
+        cpu=True,
+        dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
+        project_config=ProjectConfiguration(
+            project_dir=str(project_dir),
+            automatic_checkpoint_naming=True,
+            total_limit=total_limit,
+        ),
+    )
+
+
+def test_total_limit_keeps_the_steps_accelerate_keeps(tmp_path: Path) -> None:
+    accelerator = _accelerator(tmp_path / "native", total_limit=2)
+    model = accelerator.prepare(torch.nn.Linear(4, 2))
+    options = orbit.options_from_project_config(accelerator, save_interval_steps=2)
+    assert options.keep_last_n == 2
+    saved_at = [2, 4, 6, 8, 10]
+    with CheckpointManager(tmp_path / "orbit", options=options) as mgr:
+        for step in range(1, 11):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            if step in saved_at:
+                accelerator.save_state()  # Accelerate's own: checkpoint_<n-th save>
+            assert orbit.save_state(accelerator, mgr, step) == (step in saved_at)
+        kept = mgr.all_steps()
+    native = sorted(p.name for p in (tmp_path / "native" / "checkpoints").iterdir())
+    assert native == ["checkpoint_3", "checkpoint_4"]
+    assert kept == [saved_at[3], saved_at[4]]  # the same saves
+
+
+def test_load_state_restores_the_accelerator_and_registered_objects(tmp_path: Path) -> None:
+    accelerator = _accelerator(tmp_path)
+    model = accelerator.prepare(torch.nn.Linear(4, 2))
+    counter = _Counter()
+    accelerator.register_for_checkpointing(counter)
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        assert orbit.load_state(accelerator, mgr) is None  # an empty root: a fresh run
+        counter.n, accelerator.step = 5, 3
+        assert orbit.save_state(accelerator, mgr, 5, force=True)
+        want = model.weight.detach().clone()
+        with torch.no_grad():
+            model.weight.zero_()
+        counter.n, accelerator.step = 0, 0
+        assert orbit.load_state(accelerator, mgr) == 5
+        assert torch.equal(model.weight, want)
+        assert (counter.n, accelerator.step) == (5, 3)
+        with pytest.raises(StepNotFoundError, match="99"):
+            orbit.load_state(accelerator, mgr, step=99)
+
+
+def test_a_prepared_loader_that_is_not_stateful_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True)  # use_stateful_dataloader is off by default
+    data = torch.utils.data.TensorDataset(torch.randn(8, 2))
+    accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=2, shuffle=True))
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        with pytest.raises(CheckpointTypeError, match="use_stateful_dataloader=True"):
+            orbit.save_state(accelerator, mgr, 1, force=True)
+        assert mgr.all_steps() == []
+
+
+def test_importing_orbit_pt_imports_no_framework() -> None:
+    code = (
+        "import sys, orbit_pt, orbit_pt.integrations\n"
+        "loaded = [m for m in ('accelerate', 'lightning', 'transformers') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr
