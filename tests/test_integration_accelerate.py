@@ -1,6 +1,6 @@
 """orbit_pt.integrations.accelerate: a fine-tune through Accelerate resumes exactly.
 
-Each run is a new process (tests/_accelerate_integration_worker.py): a tiny GPT-2 with dropout
+Each run is a new process of examples/accelerate_finetune.py: a tiny GPT-2 with dropout
 on, AdamW, a warm-up scheduler, a shuffling StatefulDataLoader, gradient accumulation and an
 object registered for checkpointing, all prepared by an Accelerator. A run cut mid-epoch and
 resumed with ``load_state`` sees the same batches and the same per-batch losses, bitwise, as
@@ -33,18 +33,18 @@ from orbit_pt import (  # noqa: E402
 )
 from orbit_pt.integrations import accelerate as orbit  # noqa: E402
 
-WORKER = Path(__file__).with_name("_accelerate_integration_worker.py")
 REPO = Path(__file__).parents[1]
+EXAMPLE = REPO / "examples" / "accelerate_finetune.py"
 STEPS = 20  # 12 batches an epoch alone, 6 a rank on 2 ranks: cuts cross epoch boundaries
 
 
-def _run(root: Path, mode: str, out: Path, *extra: str, ranks: int = 1) -> list[dict[str, Any]]:
-    """Run the worker (under torchrun with ``ranks`` > 1); each rank's results."""
+def _run(root: Path, out: Path, *extra: str, ranks: int = 1) -> list[dict[str, Any]]:
+    """Run the example (under torchrun with ``ranks`` > 1); each rank's record."""
     launcher = [sys.executable]
     if ranks > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     done = subprocess.run(
-        [*launcher, str(WORKER), str(root), mode, f"--steps={STEPS}", f"--out={out}", *extra],
+        [*launcher, str(EXAMPLE), str(root), f"--steps={STEPS}", f"--record={out}", *extra],
         capture_output=True,
         text=True,
         timeout=240,
@@ -55,11 +55,11 @@ def _run(root: Path, mode: str, out: Path, *extra: str, ranks: int = 1) -> list[
     return [json.loads(path.read_text()) for path in paths]
 
 
-def _resumes_exactly(tmp_path: Path, stop: int, *extra: str, ranks: int = 1) -> None:
-    whole = _run(tmp_path / "whole", "first", tmp_path / "whole.json", *extra, ranks=ranks)
+def _resumes_exactly(tmp_path: Path, stop: int, ranks: int = 1) -> None:
+    whole = _run(tmp_path / "whole", tmp_path / "whole.json", ranks=ranks)
     cut = tmp_path / "cut"
-    first = _run(cut, "first", tmp_path / "first.json", f"--stop={stop}", *extra, ranks=ranks)
-    resumed = _run(cut, "resume", tmp_path / "resumed.json", *extra, ranks=ranks)
+    first = _run(cut, tmp_path / "first.json", f"--stop={stop}", ranks=ranks)
+    resumed = _run(cut, tmp_path / "resumed.json", ranks=ranks)
     saved = stop - stop % 2  # the manager saves every 2nd batch
     for rank in range(ranks):
         assert first[rank]["data"][:saved] + resumed[rank]["data"] == whole[rank]["data"]
@@ -94,10 +94,8 @@ def test_a_run_resumed_in_a_new_process_matches_the_uninterrupted_one(
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("stop", [7, 9])  # just after an epoch's last batch; mid-epoch
-def test_ddp_on_two_ranks_resumes_exactly_with_a_seedable_sampler(
-    tmp_path: Path, stop: int
-) -> None:
-    _resumes_exactly(tmp_path, stop, "--seedable", ranks=2)
+def test_ddp_on_two_ranks_resumes_exactly(tmp_path: Path, stop: int) -> None:
+    _resumes_exactly(tmp_path, stop, ranks=2)
 
 
 # ------------------------------------------------------------------------------ in process

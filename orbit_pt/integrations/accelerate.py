@@ -31,6 +31,13 @@ What one step holds (item names as Accelerate numbers its files):
   the generators, so a resumed run draws what the uninterrupted one did.
 
 Every file is safetensors, JSON or msgpack; nothing is pickled.
+
+The shuffle resumes exactly when its order can be drawn again (measured with accelerate 1.16,
+torchdata 0.11): in one process with a ``StatefulDataLoader(shuffle=True)`` (torchdata's
+sampler saves its generator); across ranks with ``sampler=torch.utils.data.RandomSampler(...)``
+and ``DataLoaderConfiguration(use_seedable_sampler=True)`` (the order follows the epoch
+number, which orbit_pt saves). Across ranks with ``shuffle=True`` it does not (Accelerate
+shards the batch sampler, which torchdata cannot save): :func:`save_state` warns once.
 """
 
 from __future__ import annotations

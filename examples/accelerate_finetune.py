@@ -1,12 +1,18 @@
-"""A fine-tune through Accelerate and orbit_pt.integrations.accelerate, run in its own process.
+"""Fine-tune with Hugging Face Accelerate, checkpointed by orbit_pt: resume exactly after a stop.
 
-Used by tests/test_integration_accelerate.py, alone or under torchrun (2 gloo ranks, DDP). A
-tiny GPT-2 (dropout on), AdamW, a warm-up scheduler, a shuffling ``StatefulDataLoader``, two
-micro-batches per optimizer step and an object given to ``register_for_checkpointing`` all go
-through the Accelerator; ``save_state`` runs after every batch (the manager saves every 2nd),
-``first`` stops after ``--stop`` batches, ``resume`` restores the latest step with
-``load_state`` and goes on. Each rank writes every batch's loss (``float.hex``) and a digest of
-the final weights to ``--out`` (``.rank<N>`` appended under torchrun).
+    python examples/accelerate_finetune.py ckpt --steps 20 --stop 7   # stops after 7 batches
+    python examples/accelerate_finetune.py ckpt --steps 20             # resumes at step 6
+    torchrun --nproc_per_node 2 examples/accelerate_finetune.py ckpt2 --steps 20   # DDP
+
+A tiny GPT-2 (dropout on), AdamW, a warm-up scheduler, a shuffling ``StatefulDataLoader``, two
+micro-batches per optimizer step and an object given to ``register_for_checkpointing``, all
+prepared by an ``Accelerator``. The orbit_pt lines: a ``CheckpointManager`` with options from
+the project configuration, ``load_state`` once, ``save_state`` after every batch (the manager
+saves every 2nd). ``use_stateful_dataloader=True`` saves the loader's position; see ``main`` for
+the sampler that makes the shuffle resume exactly, alone and across ranks.
+``--record FILE`` writes each batch's loss (``float.hex``), its first tokens and a digest of the
+final weights (``.rank<N>`` appended under torchrun): tests/test_integration_accelerate.py
+compares a stopped-and-resumed run with an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -45,21 +51,24 @@ class Seen:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("root")
-    parser.add_argument("mode", choices=("first", "resume"))
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--stop", type=int, default=0)
-    parser.add_argument("--total-limit", type=int, default=None)
-    parser.add_argument("--seedable", action="store_true")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("root", help="the checkpoint folder (or an s3:// URL)")
+    parser.add_argument("--steps", type=int, default=20, help="batches to train in all")
+    parser.add_argument("--stop", type=int, default=0, help="stop after this batch, as if killed")
+    parser.add_argument("--total-limit", type=int, default=None, help="checkpoints kept")
+    parser.add_argument("--record", default=None, help="write losses, batches, weights here")
     args = parser.parse_args()
 
     torch.manual_seed(0)
+    # The shuffle resumes exactly when its order can be drawn again. Alone, torchdata's own
+    # sampler (shuffle=True) saves its generator. Across ranks Accelerate shards the batches,
+    # which torchdata cannot save, so the order must follow the epoch number: a torch
+    # RandomSampler, which use_seedable_sampler replaces by a sampler seeded by the epoch.
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     accelerator = Accelerator(
         cpu=True,
         gradient_accumulation_steps=2,
         dataloader_config=DataLoaderConfiguration(
-            use_stateful_dataloader=True, use_seedable_sampler=args.seedable
+            use_stateful_dataloader=True, use_seedable_sampler=distributed
         ),
         project_config=ProjectConfiguration(total_limit=args.total_limit),
     )
@@ -71,7 +80,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
     tokens = torch.randint(0, VOCAB, (SAMPLES, LENGTH), generator=torch.Generator().manual_seed(1))
-    if args.seedable:  # a torch RandomSampler, which Accelerate replaces by a seedable one
+    if distributed:
         sampler = torch.utils.data.RandomSampler(tokens)
         loader = StatefulDataLoader(tokens, batch_size=2, sampler=sampler)
     else:
@@ -85,12 +94,8 @@ def main() -> None:
     data: list[list[int]] = []  # each batch's first tokens: tells a data drift from an RNG one
     stop = args.stop or args.steps
     with CheckpointManager(args.root, options=options) as mgr:
-        step = 0
-        if args.mode == "resume":
-            restored = orbit.load_state(accelerator, mgr)
-            assert restored is not None
-            step = restored
-            assert seen.batches == step, (seen.batches, step)
+        step = orbit.load_state(accelerator, mgr) or 0  # the latest step; 0 on an empty root
+        accelerator.print(f"starting at step {step}")
         model.train()
         while step < stop:
             for batch in loader:
@@ -108,14 +113,20 @@ def main() -> None:
                 if step == stop:
                     break
         mgr.wait_until_finished()
+        accelerator.print(f"trained to step {step}; checkpoints: {mgr.all_steps()}")
+    if args.record:
+        _record(args.record, losses, data, accelerator.unwrap_model(model))
+
+
+def _record(path: str, losses: list[str], data: list[list[int]], model: torch.nn.Module) -> None:
     digest = hashlib.sha256()
-    for name, value in sorted(accelerator.unwrap_model(model).state_dict().items()):
+    for name, value in sorted(model.state_dict().items()):
         digest.update(name.encode())
         digest.update(value.detach().contiguous().numpy().tobytes())
-    out = args.out
-    if "RANK" in os.environ:
-        out += f".rank{os.environ['RANK']}"
-    Path(out).write_text(json.dumps({"losses": losses, "data": data, "weights": digest.hexdigest()}))
+    path += f".rank{os.environ['RANK']}" if "RANK" in os.environ else ""
+    Path(path).write_text(
+        json.dumps({"losses": losses, "data": data, "weights": digest.hexdigest()})
+    )
 
 
 if __name__ == "__main__":
