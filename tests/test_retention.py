@@ -287,6 +287,45 @@ def test_best_n_keeps_the_latest_even_when_it_is_the_worst(tmp_path: Path) -> No
         assert mgr.best_step() == 1
 
 
+def _hf_total_limit(limit: int, losses: dict[int, float]) -> list[int]:
+    """The checkpoints HF's Trainer keeps with ``save_total_limit=limit`` and
+    ``load_best_model_at_end`` (transformers' ``_sorted_checkpoints`` and
+    ``_rotate_checkpoints``): the best is moved to the second newest place, and all but the
+    last ``limit`` go."""
+    order = sorted(losses)
+    best = min(order, key=lambda step: (losses[step], step))
+    index = order.index(best)
+    for i in range(index, len(order) - 2):
+        order[i], order[i + 1] = order[i + 1], order[i]
+    return sorted(order[-limit:])
+
+
+@pytest.mark.parametrize(
+    ("limit", "losses"),
+    [
+        (2, {2: 0.1, 4: 0.5, 6: 0.6, 8: 0.7}),  # the issue's case: HF keeps [2, 8]
+        (3, {2: 0.9, 4: 0.1, 6: 0.6, 8: 0.7, 10: 0.8}),
+        (3, {2: 0.9, 4: 0.8, 6: 0.1, 8: 0.7, 10: 0.8}),  # the best among the newest N-1
+        (2, {2: 0.9, 4: 0.8, 6: 0.7, 8: 0.1}),  # the best is the newest
+    ],
+)
+def test_hf_save_total_limit_with_the_best_as_migration_md_maps_it(
+    tmp_path: Path, limit: int, losses: dict[int, float]
+) -> None:
+    with open_manager(tmp_path, keep_last_n=limit - 1, keep_best_n=1, best_metric="loss") as mgr:
+        for step, loss in losses.items():
+            mgr.save(step, item(step), metrics={"loss": loss})
+        kept = mgr.all_steps()
+    hf = _hf_total_limit(limit, losses)
+    newest = sorted(losses)[-(limit - 1) :]
+    best = min(losses, key=losses.__getitem__)
+    if best in newest:  # HF keeps one more of the newest (docs/migration.md says so)
+        assert kept == newest
+        assert hf == sorted(losses)[-limit:]
+    else:
+        assert kept == hf
+
+
 @pytest.mark.parametrize(
     ("options", "metrics", "best"),
     [
