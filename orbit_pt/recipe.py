@@ -382,9 +382,11 @@ def _wrapper_epoch(wrapper: Any, state: Any) -> int | None:
 
 def _load_into(live: Any, saved: Any) -> None:
     """``live.load_state_dict(saved)``, and a loader wrapper's epoch (see WRAPPER_EPOCH_KEY)."""
-    if isinstance(saved, Mapping) and WRAPPER_EPOCH_KEY in saved and _wrapped(live) is not None:
+    if isinstance(saved, Mapping) and WRAPPER_EPOCH_KEY in saved:
         saved = dict(saved)
-        live.iteration = int(saved.pop(WRAPPER_EPOCH_KEY))
+        epoch = int(saved.pop(WRAPPER_EPOCH_KEY))
+        if _wrapped(live) is not None:  # a bare loader restored from a wrapper's state has none
+            live.iteration = epoch
     live.load_state_dict(saved)
 
 

@@ -200,3 +200,23 @@ def test_importing_orbit_pt_imports_no_framework() -> None:
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_a_prepared_loaders_epoch_is_saved_as_its_next_iter_will_use_it(tmp_path: Path) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from orbit_pt import RecipeState
+    from orbit_pt.recipe import WRAPPER_EPOCH_KEY
+
+    accelerator = _accelerator(tmp_path)
+    data = torch.arange(4.0)
+    loader = accelerator.prepare(StatefulDataLoader(data, batch_size=2))
+    recipe = RecipeState(dataloader=loader)
+    inside = [recipe.state_dict()["dataloader"][WRAPPER_EPOCH_KEY] for _ in loader]
+    after = recipe.state_dict()
+    # After the epoch's last batch, inside the loop, the next iter() is already the 2nd epoch.
+    assert inside == [0, 1]
+    assert after["dataloader"][WRAPPER_EPOCH_KEY] == 1
+    fresh = accelerator.prepare(StatefulDataLoader(data, batch_size=2))
+    RecipeState(dataloader=fresh).load_state_dict(after)
+    assert fresh.iteration == 1
