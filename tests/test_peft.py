@@ -35,7 +35,7 @@ def _adapter_config(folder: Path) -> dict[str, Any]:
     """``adapter_config.json`` of ``folder``, with ``target_modules`` sorted: PEFT keeps it as a
     set and writes it in string-hash order, which differs between processes (PYTHONHASHSEED),
     so the same config may list it in either order."""
-    config = json.loads((folder / "adapter_config.json").read_text())
+    config: dict[str, Any] = json.loads((folder / "adapter_config.json").read_text())
     config["target_modules"] = sorted(config["target_modules"])
     return config
 
