@@ -157,6 +157,28 @@ def test_save_total_limit_and_the_best_model_as_the_plain_trainer(tmp_path: Path
     assert not list((tmp_path / "orbit").glob("checkpoint-*"))
 
 
+def test_async_saves_are_durable_when_train_returns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from transformers import Trainer
+
+    from orbit_pt import CheckpointManagerOptions
+
+    class AsyncTrainer(hf.OrbitTrainerMixin, Trainer):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            options = CheckpointManagerOptions(async_save=True, preemption_signals=())
+            super().__init__(*args, orbit_options=options, **kwargs)
+
+    trainer = _trainer(AsyncTrainer, tmp_path / "out")
+    with caplog.at_level("WARNING", logger="orbit_pt"):
+        trainer.train()
+    assert "saving synchronously" not in caplog.text  # every item can be staged
+    mgr = trainer.checkpoint_manager
+    assert mgr.all_steps() == [2, 4, 6, 8]
+    state = json.loads((mgr.step_dir(8) / "trainer_state" / "trainer_state.json").read_text())
+    assert state["global_step"] == 8
+
+
 def test_bad_resume_arguments_are_clear_errors(tmp_path: Path) -> None:
     trainer = _trainer(hf.OrbitTrainer, tmp_path / "out")
     with pytest.raises(StepNotFoundError, match="no committed checkpoint"):

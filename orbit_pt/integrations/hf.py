@@ -26,6 +26,8 @@ methods, and no others: ``_save_checkpoint``, ``_load_from_checkpoint``,
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -100,14 +102,24 @@ def options_from_training_args(args: Any, **overrides: Any) -> CheckpointManager
     return CheckpointManagerOptions(**fields)
 
 
+@dataclass(frozen=True)
+class _StateText:
+    """A ``TrainerState`` as the JSON text the Trainer writes: the snapshot of an async save."""
+
+    text: str
+
+
 class _TrainerStateHandler:
-    """``trainer_state.json``, written by ``TrainerState.save_to_json`` (rank 0)."""
+    """``trainer_state.json``, as ``TrainerState.save_to_json`` writes it (rank 0)."""
 
     name = "orbit_pt.hf.trainer_state"
 
+    def stage(self, item: Any, context: HandlerContext) -> _StateText:
+        return item if isinstance(item, _StateText) else _StateText(_json_text(item))
+
     def save(self, directory: Path, item: Any, context: HandlerContext) -> Mapping[str, Any]:
         if context.rank == 0:
-            item.save_to_json(str(directory / TRAINER_STATE_FILE))
+            (directory / TRAINER_STATE_FILE).write_text(self.stage(item, context).text)
         if context.collective is not None:  # the file is there before any rank goes on
             context.collective.run_everywhere("orbit_pt.hf.trainer_state", lambda: None)
         return {"format_version": 1}
@@ -159,7 +171,18 @@ class OrbitTrainerMixin:
             CheckpointError: a path that is not a step folder of this root.
         """
         resume = self._orbit_resume_path(resume_from_checkpoint)
-        return super().train(resume, *args, **kwargs)  # type: ignore[misc]
+        try:
+            result = super().train(resume, *args, **kwargs)  # type: ignore[misc]
+        except BaseException:
+            try:  # the training error is the one to raise; a save failing as well is logged
+                self.checkpoint_manager.wait_until_finished()
+            except Exception:
+                logger.exception("an async save failed too, after training failed")
+            raise
+        # An async save of the last step is durable before train() returns (the process may
+        # exit next); a failed one is raised here.
+        self.checkpoint_manager.wait_until_finished()
+        return result
 
     def _orbit_resume_path(self, resume: Any) -> str | None:
         mgr = self.checkpoint_manager
@@ -291,6 +314,11 @@ class OrbitTrainerMixin:
             if entry.get("step") == step and metric in entry:
                 return {metric: float(entry[metric])}
         return {}
+
+
+def _json_text(state: Any) -> str:
+    """What ``TrainerState.save_to_json`` writes."""
+    return json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
 
 
 def _metric_name(args: Any) -> str | None:
