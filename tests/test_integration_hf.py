@@ -73,6 +73,8 @@ def test_a_stopped_run_resumes_exactly_in_a_new_process(tmp_path: Path, ranks: i
     others = [p.name for p in files if p.suffix not in (".safetensors", ".json", ".msgpack")]
     assert others == ["_CHECKPOINT_METADATA"]
     assert (folder / "trainer_state" / "trainer_state.json").is_file()
+    saved_args = json.loads((folder / "trainer_state" / "training_args.json").read_text())
+    assert saved_args["save_steps"] == 2
     assert not list((tmp_path / "whole").glob("checkpoint-*"))
     model = transformers.GPT2LMHeadModel.from_pretrained(folder / "model")
     assert _digest(model) == whole[0]["weights"]

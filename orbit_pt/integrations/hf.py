@@ -9,7 +9,9 @@ unless ``orbit_dir=`` says otherwise. A step holds:
 - ``model/``: the Hugging Face folder (``from_pretrained`` loads it);
 - ``optimizer/`` (unless ``save_only_model``);
 - ``recipe/``: the LR scheduler, the grad scaler and the RNG of every generator, as msgpack;
-- ``trainer_state/trainer_state.json``: the ``TrainerState``, as the Trainer writes it (JSON).
+- ``trainer_state/trainer_state.json``: the ``TrainerState``, as the Trainer writes it, and
+  ``trainer_state/training_args.json``: the ``TrainingArguments`` (JSON, not
+  ``training_args.bin``).
 
 ``train(resume_from_checkpoint=True | step | path of a step folder)`` resumes from it, with
 the Trainer's own resume logic (its data fast-forward, and the RNG restored when it restores
@@ -50,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 TRAINER_STATE = "trainer_state"
 TRAINER_STATE_FILE = "trainer_state.json"
+TRAINING_ARGS_FILE = "training_args.json"
 
 
 @dataclass(frozen=True)
@@ -103,23 +106,32 @@ def options_from_training_args(args: Any, **overrides: Any) -> CheckpointManager
 
 
 @dataclass(frozen=True)
-class _StateText:
-    """A ``TrainerState`` as the JSON text the Trainer writes: the snapshot of an async save."""
+class TrainerFiles:
+    """The Trainer's own records of one step, as JSON text (a snapshot: async saves keep it).
 
-    text: str
+    Attributes:
+        state: ``trainer_state.json``, as ``TrainerState.save_to_json`` writes it.
+        args: ``training_args.json``: the ``TrainingArguments`` (``to_json_string()``), where
+            the Trainer pickles ``training_args.bin``.
+    """
+
+    state: str
+    args: str
 
 
 class _TrainerStateHandler:
-    """``trainer_state.json``, as ``TrainerState.save_to_json`` writes it (rank 0)."""
+    """``trainer_state.json`` and ``training_args.json`` of a step (written by rank 0)."""
 
     name = "orbit_pt.hf.trainer_state"
 
-    def stage(self, item: Any, context: HandlerContext) -> _StateText:
-        return item if isinstance(item, _StateText) else _StateText(_json_text(item))
+    def stage(self, item: Any, context: HandlerContext) -> TrainerFiles:
+        assert isinstance(item, TrainerFiles)
+        return item  # already a snapshot
 
     def save(self, directory: Path, item: Any, context: HandlerContext) -> Mapping[str, Any]:
         if context.rank == 0:
-            (directory / TRAINER_STATE_FILE).write_text(self.stage(item, context).text)
+            (directory / TRAINER_STATE_FILE).write_text(item.state)
+            (directory / TRAINING_ARGS_FILE).write_text(item.args)
         if context.collective is not None:  # the file is there before any rank goes on
             context.collective.run_everywhere("orbit_pt.hf.trainer_state", lambda: None)
         return {"format_version": 1}
@@ -278,7 +290,8 @@ class OrbitTrainerMixin:
             )
         if trainer.args.should_save:
             self._orbit_export_callback_states()
-        items: dict[str, Any] = {"model": trainer.model, TRAINER_STATE: trainer.state}
+        files = TrainerFiles(_json_text(trainer.state), trainer.args.to_json_string())
+        items: dict[str, Any] = {"model": trainer.model, TRAINER_STATE: files}
         if not trainer.args.save_only_model:
             items["optimizer"] = trainer.optimizer
             fields: dict[str, Any] = {"rng": RNGState()}
