@@ -220,3 +220,32 @@ def test_a_prepared_loaders_epoch_is_saved_as_its_next_iter_will_use_it(tmp_path
     fresh = accelerator.prepare(StatefulDataLoader(data, batch_size=2))
     RecipeState(dataloader=fresh).load_state_dict(after)
     assert fresh.iteration == 1
+
+
+def test_a_distributed_shuffle_that_cannot_be_redrawn_is_warned_about_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from accelerate.utils import DataLoaderConfiguration
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from orbit_pt.integrations.accelerate import _innermost_sampler, _warn_if_shuffle_is_lost
+
+    accelerator = _accelerator(tmp_path)
+    data = torch.arange(8.0)
+    # torchdata's own sampler draws each epoch's order from a generator: not redrawable
+    shuffled = accelerator.prepare(StatefulDataLoader(data, batch_size=2, shuffle=True))
+    with caplog.at_level("WARNING", logger="orbit_pt"):
+        _warn_if_shuffle_is_lost(shuffled, 0)
+        _warn_if_shuffle_is_lost(shuffled, 0)
+    assert caplog.text.count("use_seedable_sampler=True") == 1
+    caplog.clear()
+    # Accelerate's seedable sampler draws it from the epoch number: no warning
+    accelerator.dataloader_config = DataLoaderConfiguration(
+        use_stateful_dataloader=True, use_seedable_sampler=True
+    )
+    sampler = torch.utils.data.RandomSampler(data)
+    seeded = accelerator.prepare(StatefulDataLoader(data, batch_size=2, sampler=sampler))
+    assert type(_innermost_sampler(seeded)).__name__ == "SeedableRandomSampler"
+    with caplog.at_level("WARNING", logger="orbit_pt"):
+        _warn_if_shuffle_is_lost(seeded, 0)
+    assert caplog.text == ""
