@@ -99,6 +99,9 @@ def main() -> None:
     if trainer.is_world_process_zero():
         print(f"trained to step {trainer.state.global_step}; steps saved: "
               f"{trainer.checkpoint_manager.all_steps()}")  # fmt: skip
+    # Closing the manager ends its threads and its own gloo group; a process that exits with
+    # them still running may abort (SIGABRT from a gloo thread, seen under torchrun).
+    trainer.checkpoint_manager.close()
     if args.record:
         assert trainer.model is not None
         _record(args.record, trainer.losses, trainer.model)

@@ -145,6 +145,10 @@ class _TrainerStateHandler:
 class OrbitTrainerMixin:
     """Put in front of a ``transformers.Trainer`` (sub)class: see the module's docstring.
 
+    Call ``trainer.checkpoint_manager.close()`` when done with the trainer (it waits for a
+    save in flight, and ends the manager's threads and its gloo group before the process
+    exits).
+
     Args:
         orbit_dir: the checkpoint root (a folder, or an ``s3://`` URL); default
             ``<output_dir>/orbit``.
