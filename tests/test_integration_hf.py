@@ -210,3 +210,22 @@ def test_importing_the_integrations_imports_no_framework() -> None:
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert done.returncode == 0, done.stderr
+
+
+def _trainer_files_fail_on_rank_0(rank: int, world_size: int, root: str) -> None:
+    from orbit_pt import CheckpointManager, CheckpointSaveError
+
+    handlers = {hf.TRAINER_STATE: hf._TrainerStateHandler()}
+    # rank 0 writes the files; a state that is not text fails its write
+    state: Any = 12345 if rank == 0 else "{}"
+    with CheckpointManager(root, handlers=handlers) as mgr:
+        with pytest.raises(CheckpointSaveError):
+            mgr.save(1, {hf.TRAINER_STATE: hf.TrainerFiles(state, "{}")}, force=True)
+        assert mgr.all_steps() == []
+
+
+@pytest.mark.distributed
+def test_a_failed_trainer_state_write_on_rank_0_fails_every_rank(tmp_path: Path) -> None:
+    from _distributed import run_ranks
+
+    run_ranks(2, _trainer_files_fail_on_rank_0, str(tmp_path / "ckpt"), timeout=120.0)

@@ -129,11 +129,15 @@ class _TrainerStateHandler:
         return item  # already a snapshot
 
     def save(self, directory: Path, item: Any, context: HandlerContext) -> Mapping[str, Any]:
-        if context.rank == 0:
-            (directory / TRAINER_STATE_FILE).write_text(item.state)
-            (directory / TRAINING_ARGS_FILE).write_text(item.args)
-        if context.collective is not None:  # the file is there before any rank goes on
-            context.collective.run_everywhere("orbit_pt.hf.trainer_state", lambda: None)
+        def write() -> None:
+            if context.rank == 0:
+                (directory / TRAINER_STATE_FILE).write_text(item.state)
+                (directory / TRAINING_ARGS_FILE).write_text(item.args)
+
+        if context.collective is None:
+            write()
+        else:  # the files are there before any rank goes on; a failed write fails every rank
+            context.collective.run_everywhere("orbit_pt.hf.trainer_state", write)
         return {"format_version": 1}
 
     def restore(self, directory: Path, target: Any | None, context: HandlerContext) -> Any:
