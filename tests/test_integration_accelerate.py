@@ -11,8 +11,6 @@ own ``save_state`` does, and bad input is a clear orbit_pt error.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -26,6 +24,8 @@ pytest.importorskip("accelerate")
 pytest.importorskip("torchdata")
 transformers = pytest.importorskip("transformers")
 
+from _examples import REPO, digest, run_example  # noqa: E402
+
 from orbit_pt import (  # noqa: E402
     CheckpointManager,
     CheckpointTypeError,
@@ -33,26 +33,13 @@ from orbit_pt import (  # noqa: E402
 )
 from orbit_pt.integrations import accelerate as orbit  # noqa: E402
 
-REPO = Path(__file__).parents[1]
 EXAMPLE = REPO / "examples" / "accelerate_finetune.py"
 STEPS = 20  # 12 batches an epoch alone, 6 a rank on 2 ranks: cuts cross epoch boundaries
 
 
 def _run(root: Path, out: Path, *extra: str, ranks: int = 1) -> list[dict[str, Any]]:
     """Run the example (under torchrun with ``ranks`` > 1); each rank's record."""
-    launcher = [sys.executable]
-    if ranks > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    done = subprocess.run(
-        [*launcher, str(EXAMPLE), str(root), f"--steps={STEPS}", f"--record={out}", *extra],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    paths = [out] if ranks == 1 else [Path(f"{out}.rank{r}") for r in range(ranks)]
-    return [json.loads(path.read_text()) for path in paths]
+    return run_example(EXAMPLE, out, str(root), f"--steps={STEPS}", *extra, ranks=ranks)
 
 
 def _resumes_exactly(tmp_path: Path, stop: int, ranks: int = 1) -> None:
@@ -78,11 +65,7 @@ def _check_step_folder(root: Path, weights: str) -> None:
     others = [p.name for p in files if p.suffix not in (".safetensors", ".json", ".msgpack")]
     assert others == ["_CHECKPOINT_METADATA"]  # JSON too
     model = transformers.GPT2LMHeadModel.from_pretrained(folder / "model")
-    digest = hashlib.sha256()
-    for name, value in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(value.detach().contiguous().numpy().tobytes())
-    assert digest.hexdigest() == weights
+    assert digest(model) == weights
 
 
 @pytest.mark.parametrize("stop", [7, 15])  # mid-epoch in the first epoch; in the second

@@ -11,7 +11,6 @@ Trainer's does. Bad input is a clear orbit_pt error.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -24,37 +23,19 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from _examples import REPO, digest, run_example  # noqa: E402
+
 from orbit_pt import CheckpointError, StepNotFoundError  # noqa: E402
 from orbit_pt.integrations import hf  # noqa: E402
 from orbit_pt.policies import CheckpointInfo  # noqa: E402
 
-REPO = Path(__file__).parents[1]
 EXAMPLE = REPO / "examples" / "hf_trainer_finetune.py"
 STEPS = 10  # 6 batches an epoch alone, 3 a rank on 2 ranks: the cut and resume cross epochs
 
 
 def _run(output_dir: Path, out: Path, *extra: str, ranks: int = 1) -> list[dict[str, Any]]:
-    launcher = [sys.executable]
-    if ranks > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    done = subprocess.run(
-        [*launcher, str(EXAMPLE), str(output_dir), f"--steps={STEPS}", f"--record={out}", *extra],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    paths = [out] if ranks == 1 else [Path(f"{out}.rank{r}") for r in range(ranks)]
-    return [json.loads(path.read_text()) for path in paths]
-
-
-def _digest(model: torch.nn.Module) -> str:
-    digest = hashlib.sha256()
-    for name, value in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(value.detach().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+    """Run the example (under torchrun with ``ranks`` > 1); each rank's record."""
+    return run_example(EXAMPLE, out, str(output_dir), f"--steps={STEPS}", *extra, ranks=ranks)
 
 
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.distributed)])
@@ -77,7 +58,7 @@ def test_a_stopped_run_resumes_exactly_in_a_new_process(tmp_path: Path, ranks: i
     assert saved_args["save_steps"] == 2
     assert not list((tmp_path / "whole").glob("checkpoint-*"))
     model = transformers.GPT2LMHeadModel.from_pretrained(folder / "model")
-    assert _digest(model) == whole[0]["weights"]
+    assert digest(model) == whole[0]["weights"]
 
 
 # ------------------------------------------------------------------- retention, as HF keeps
@@ -155,7 +136,7 @@ def test_save_total_limit_and_the_best_model_as_the_plain_trainer(tmp_path: Path
     assert ours.state.best_global_step == native.state.best_global_step < 8
     best = ours.state.best_global_step
     assert ours.state.best_model_checkpoint == str(mgr.step_dir(best) / "model")
-    assert _digest(ours.model) == _digest(native.model)  # the best step's model, loaded
+    assert digest(ours.model) == digest(native.model)  # the best step's model, loaded
     assert not list((tmp_path / "orbit").glob("checkpoint-*"))
 
 

@@ -1,0 +1,41 @@
+"""Run an example script in a new process (under torchrun for several ranks) and read its record."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).parents[1]
+
+
+def run_example(example: Path, out: Path, *args: str, ranks: int = 1) -> list[dict[str, Any]]:
+    """Run ``example *args --record=out``; each rank's record (``out``, or ``out.rank<N>``)."""
+    launcher = [sys.executable]
+    if ranks > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    done = subprocess.run(
+        [*launcher, str(example), *args, f"--record={out}"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    paths = [out] if ranks == 1 else [Path(f"{out}.rank{r}") for r in range(ranks)]
+    return [json.loads(path.read_text()) for path in paths]
+
+
+def digest(model: torch.nn.Module) -> str:
+    """The examples' digest of a model's weights (names and bytes, in name order)."""
+    hasher = hashlib.sha256()
+    for name, value in sorted(model.state_dict().items()):
+        hasher.update(name.encode())
+        hasher.update(value.detach().contiguous().numpy().tobytes())
+    return hasher.hexdigest()
