@@ -179,8 +179,11 @@ def test_bad_resume_arguments_are_clear_errors(tmp_path: Path) -> None:
 
 def test_importing_the_integrations_imports_no_framework() -> None:
     code = (
-        "import sys, orbit_pt.integrations.hf, orbit_pt.integrations.accelerate\n"
-        "loaded = [m for m in ('accelerate', 'lightning', 'transformers') if m in sys.modules]\n"
+        "import sys, orbit_pt, orbit_pt.integrations\n"
+        "import orbit_pt.integrations.hf, orbit_pt.integrations.accelerate\n"
+        "import orbit_pt.integrations.lightning\n"
+        "frameworks = ('accelerate', 'lightning', 'pytorch_lightning', 'transformers')\n"
+        "loaded = [m for m in frameworks if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )
     done = subprocess.run(
