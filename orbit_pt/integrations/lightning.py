@@ -39,6 +39,13 @@ iterator created (as in the run that never stopped, where the iterator drew its 
 saved RNG state). Lightning owns SIGTERM (its signal connector): the manager is opened without
 orbit_pt's preemption watcher.
 
+``OrbitCheckpointIO(root, options=None, *, storage_options=None)``: ``root`` is the orbit_pt
+root (a folder, or an ``s3://`` URL with ``storage_options``); ``options`` are the manager's,
+with retention left unset (``ModelCheckpoint`` keeps what is kept) -- ``async_save=True`` makes
+a save return after a memory copy, and its pointer is written once the step has committed.
+``io.callback(model_attr="model")`` is the callback; ``io.checkpoint_manager`` is the manager,
+open while the Trainer runs.
+
 Supported: one process and DDP (tested with pytorch-lightning 2.6 on CPU, 2 gloo ranks).
 Lightning's FSDP and model-parallel strategies gather the state (or write DCP) before any
 ``CheckpointIO`` sees it; use orbit_pt's own loop for gather-free FSDP2 (docs/frameworks.md).
@@ -93,10 +100,24 @@ def read_pointer(path: str | os.PathLike[str]) -> int:
         CheckpointError: ``path`` is not a pointer written by :class:`OrbitCheckpointIO` (a
             torch pickle is named as such and never unpickled).
     """
-    return _read_pointer(Path(os.fspath(path)))[0]
+    return _read_pointer(Path(os.fspath(path))).step
 
 
-def _read_pointer(path: Path) -> tuple[int, str | None]:
+@dataclasses.dataclass(frozen=True)
+class _Pointer:
+    """What a pointer file holds.
+
+    ``overrides``: for a second save of the same step (``save_last`` right after a top-k
+    save), the plain values of Lightning's loop and callback states that differ from the
+    step's own (``ModelCheckpoint``'s ``last_model_path``), applied when it is loaded.
+    """
+
+    step: int
+    root: str | None = None
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _read_pointer(path: Path) -> _Pointer:
     with open(path, "rb") as file:
         head = file.read(_POINTER_MAX_BYTES + 1)
     if head[:2] == b"PK" or head[:1] == b"\x80":
@@ -118,13 +139,25 @@ def _read_pointer(path: Path) -> tuple[int, str | None]:
         )
     assert isinstance(pointer, dict)
     root = pointer.get("orbit_root")
-    return step, root if isinstance(root, str) else None
+    overrides = pointer.get("state_overrides")
+    return _Pointer(
+        step,
+        root if isinstance(root, str) else None,
+        overrides if isinstance(overrides, dict) else {},
+    )
 
 
-def _write_pointer(path: Path, step: int, root: str) -> None:
+def _write_pointer(path: Path, pointer: _Pointer) -> None:
     """Write the pointer atomically: a reader sees the old pointer or the new, never a part."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"format": POINTER_FORMAT, "orbit_step": step, "orbit_root": root})
+    record: dict[str, Any] = {
+        "format": POINTER_FORMAT,
+        "orbit_step": pointer.step,
+        "orbit_root": pointer.root,
+    }
+    if pointer.overrides:
+        record["state_overrides"] = pointer.overrides
+    text = json.dumps(record)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as file:
@@ -248,7 +281,8 @@ class _Plugin:
         self._callback: Any = None
         self._saved: set[int] = set()  # steps saved by this process (a second save: a pointer)
         self._pointers: dict[Path, int] = {}  # rank 0: pointers written by this process
-        self._pending: dict[Path, int] = {}  # rank 0: pointers waiting for an async commit
+        self._pending: dict[Path, _Pointer] = {}  # rank 0: pointers waiting for a commit
+        self._first_dump: tuple[int, dict[str, Any]] | None = None  # rank 0: see _overrides
         self._restore_step: int | None = None  # loaded; optimizers and RNG still to restore
 
     # ---------------------------------------------------------------------------- public
@@ -291,11 +325,11 @@ class _Plugin:
         target = _local_path(path)
         self._flush_pointers()
         step = self._save(checkpoint)
-        mgr = self.checkpoint_manager
-        if mgr.is_saving_in_progress():
-            self._pending[target] = step  # written once the step has committed
+        pointer = _Pointer(step, self._root_name(), self._overrides(step, checkpoint))
+        if self.checkpoint_manager.is_saving_in_progress():
+            self._pending[target] = pointer  # written once the step has committed
         else:
-            self._point(target, step)
+            self._point(target, pointer)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -303,7 +337,8 @@ class _Plugin:
         """Restore the model of the step ``path`` points at in place, and return Lightning's
         checkpoint; the optimizers and the RNG follow at ``on_train_start``."""
         where = _local_path(path)
-        step = self._step_of(where)
+        pointer = self._pointer_at(where)
+        step = pointer.step
         mgr = self.checkpoint_manager
         if self._trainer.global_rank == 0:
             self._released.update(_read_released(where.parent, self._root_name()))
@@ -312,6 +347,7 @@ class _Plugin:
         model = self._model(pl_module)
         mgr.restore(step, {"model": model})
         checkpoint = dict(mgr.restore(step, [LIGHTNING])[LIGHTNING])
+        _apply_overrides(checkpoint, pointer.overrides)
         state = pl_module.state_dict()
         state.update(checkpoint.pop(_OTHER_WEIGHTS, {}))
         checkpoint["state_dict"] = state
@@ -327,11 +363,11 @@ class _Plugin:
         target = _local_path(path)
         self._flush_pointers()
         if target in self._pending:
-            step = self._pending.pop(target)
+            step = self._pending.pop(target).step
         elif not target.exists():
             return
         else:
-            step = _read_pointer(target)[0]
+            step = _read_pointer(target).step
             target.unlink()
         self._pointers.pop(target, None)
         self._release_unless_named(step, target.parent)
@@ -458,10 +494,11 @@ class _Plugin:
         recipe = mgr.restore(step, [RECIPE])[RECIPE]
         RNGState().load_state_dict(recipe["rng"])
 
-    def _step_of(self, path: Path) -> int:
+    def _pointer_at(self, path: Path) -> _Pointer:
         if not path.exists():
             raise CheckpointError(f"{path} does not exist; nothing to load")
-        step, root = _read_pointer(path)
+        pointer = _read_pointer(path)
+        step, root = pointer.step, pointer.root
         mgr = self.checkpoint_manager
         if step not in mgr.all_steps():
             mgr.reload()
@@ -472,23 +509,32 @@ class _Plugin:
                 "%s was written for the orbit_pt root %s; loading step %d of %s", path, root,
                 step, mgr.directory,
             )  # fmt: skip
-        return step
+        return pointer
+
+    def _overrides(self, step: int, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        """For a second save of ``step``: the plain loop and callback values it changed."""
+        states = {key: checkpoint.get(key) for key in _OVERRIDABLE}
+        if self._first_dump is None or self._first_dump[0] != step:
+            self._first_dump = (step, states)
+            return {}
+        return _plain_changes(states, self._first_dump[1])
 
     def _root_name(self) -> str:
         """The root as pointers record it: absolute, or the URL."""
         text = os.fspath(self.root)
         return text if "://" in text else str(Path(text).absolute())
 
-    def _point(self, path: Path, step: int) -> None:
+    def _point(self, path: Path, pointer: _Pointer) -> None:
         """Write the pointer at ``path``; a step that only the pointer it replaces named (the
         previous ``last.ckpt``) is released."""
+        step = pointer.step
         replaced = self._pointers.get(path)
         if replaced is None and path.is_file():
             try:
-                replaced = _read_pointer(path)[0]
+                replaced = _read_pointer(path).step
             except CheckpointError:
                 replaced = None  # not ours; overwritten, as Lightning would
-        _write_pointer(path, step, self._root_name())
+        _write_pointer(path, pointer)
         self._pointers[path] = step
         if replaced is not None and replaced != step:
             self._release_unless_named(replaced, path.parent)
@@ -508,23 +554,52 @@ class _Plugin:
             return
         mgr.wait_until_finished()  # a failed save raises here, before its pointers exist
         committed = set(mgr.all_steps())
-        for path, step in list(self._pending.items()):
-            if step in committed:
+        for path, pointer in list(self._pending.items()):
+            if pointer.step in committed:
                 del self._pending[path]
-                self._point(path, step)
+                self._point(path, pointer)
 
     def _named_steps(self, folder: Path) -> set[int]:
         """The steps the pointers of this process and those in ``folder`` name."""
-        named = set(self._pointers.values()) | set(self._pending.values())
+        named = set(self._pointers.values()) | {p.step for p in self._pending.values()}
         if folder.is_dir():
             for candidate in folder.iterdir():
                 if candidate.suffix != ".ckpt" or not candidate.is_file():
                     continue
                 try:
-                    named.add(_read_pointer(candidate)[0])
+                    named.add(_read_pointer(candidate).step)
                 except (CheckpointError, OSError):
                     continue  # not ours
         return named
+
+
+_OVERRIDABLE = ("loops", "callbacks")
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _plain_changes(new: Any, old: Any) -> dict[str, Any]:
+    """The str/number/bool/None leaves of the nested dicts ``new`` that differ from ``old``."""
+    changes: dict[str, Any] = {}
+    for key, value in new.items() if isinstance(new, Mapping) else ():
+        if not isinstance(key, str):
+            continue
+        before = old.get(key) if isinstance(old, Mapping) else None
+        if isinstance(value, Mapping):
+            inner = _plain_changes(value, before)
+            if inner:
+                changes[key] = inner
+        elif isinstance(value, _PLAIN) and (type(value) is not type(before) or value != before):
+            changes[key] = value
+    return changes
+
+
+def _apply_overrides(checkpoint: dict[str, Any], overrides: Mapping[str, Any]) -> None:
+    for key, value in overrides.items():
+        current = checkpoint.get(key)
+        if isinstance(value, Mapping) and isinstance(current, dict):
+            _apply_overrides(current, value)
+        elif not isinstance(value, Mapping):
+            checkpoint[key] = value
 
 
 def _read_released(folder: Path, root: str) -> set[int]:
