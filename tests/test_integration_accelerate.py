@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 from _examples import REPO, digest, run_example  # noqa: E402
 
 from orbit_pt import (  # noqa: E402
+    CheckpointError,
     CheckpointManager,
     CheckpointTypeError,
     StepNotFoundError,
@@ -164,6 +165,34 @@ def test_a_prepared_loader_that_is_not_stateful_is_refused_before_anything_is_wr
         with pytest.raises(CheckpointTypeError, match="use_stateful_dataloader=True"):
             orbit.save_state(accelerator, mgr, 1, force=True)
         assert mgr.all_steps() == []
+
+
+def _loader_not_stateful_on_rank_1(rank: int, world_size: int, root: str) -> None:
+    from accelerate import Accelerator, DataLoaderConfiguration
+
+    from orbit_pt import CheckpointSaveError
+
+    config = DataLoaderConfiguration(use_stateful_dataloader=rank == 0)
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 2))
+    accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=2))
+    with CheckpointManager(root) as mgr:
+        # Rank 0's loader is fine: it fails too, at once, naming rank 1 and why.
+        with pytest.raises(CheckpointSaveError, match=r"rank 1.*use_stateful_dataloader=True"):
+            orbit.save_state(accelerator, mgr, 2, force=True)
+        assert mgr.all_steps() == []
+        with pytest.raises(CheckpointError, match=r"rank 1.*use_stateful_dataloader=True"):
+            orbit.load_state(accelerator, mgr, step=2)
+
+
+@pytest.mark.distributed
+def test_a_loader_that_is_not_stateful_on_one_rank_fails_the_save_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    from _distributed import run_ranks
+
+    # agreement_timeout is gloo's 30 minutes: a rank left waiting would hit run_ranks' timeout.
+    run_ranks(2, _loader_not_stateful_on_rank_1, str(tmp_path / "ckpt"), timeout=120.0)
 
 
 def test_a_prepared_loaders_epoch_is_saved_as_its_next_iter_will_use_it(tmp_path: Path) -> None:

@@ -46,7 +46,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from orbit_pt.errors import CheckpointTypeError
+from orbit_pt._control.collective import AgreedError, PeerError
+from orbit_pt.errors import CheckpointSaveError, CheckpointTypeError
 from orbit_pt.manager import CheckpointManager
 from orbit_pt.options import CheckpointManagerOptions
 from orbit_pt.recipe import RecipeState, RNGState
@@ -79,9 +80,17 @@ def save_state(
     Raises:
         CheckpointTypeError: a prepared data loader is not stateful (its position could not
             be saved): build the Accelerator with
-            ``DataLoaderConfiguration(use_stateful_dataloader=True)``.
+            ``DataLoaderConfiguration(use_stateful_dataloader=True)``. Under
+            torch.distributed, when that is so on any rank, every rank raises a
+            ``CheckpointSaveError`` naming the rank and this cause; nothing is written.
         CheckpointSaveError: as ``CheckpointManager.save``.
     """
+    if not force and not mgr.should_save(step):  # asked again inside save(): the same answer
+        return False
+    try:
+        _agree_on_loaders(accelerator, mgr, f"the save of step {step}")
+    except (AgreedError, PeerError) as exc:
+        raise CheckpointSaveError(step, mgr.directory, str(exc)) from exc
     return mgr.save(step, _items(accelerator, step), metrics=metrics, force=force)
 
 
@@ -100,11 +109,15 @@ def load_state(accelerator: Any, mgr: CheckpointManager, step: int | None = None
             steps it holds.
         ItemNotFoundError, StateMismatchError: the step holds other items or objects than
             this accelerator prepared.
+        CheckpointTypeError: a prepared data loader is not stateful (as in
+            :func:`save_state`; under torch.distributed every rank raises a
+            ``CheckpointError`` naming the rank and this cause).
     """
     if step is None:
         step = mgr.latest_step()
         if step is None:
             return None
+    _agree_on_loaders(accelerator, mgr, f"the restore of step {step}")
     items = _items(accelerator, step)
     mgr.restore(step, items)
     recipe = items[RECIPE]
@@ -136,9 +149,6 @@ def _items(accelerator: Any, step: int) -> dict[str, Any]:
     for index, scheduler in enumerate(accelerator._schedulers):
         fields[_numbered("scheduler", index)] = scheduler
     for index, loader in enumerate(accelerator._dataloaders):
-        _check_stateful(loader, index)
-        if accelerator.num_processes > 1:
-            _warn_if_shuffle_is_lost(loader, index)
         fields[_numbered("dataloader", index)] = loader
     for index, obj in enumerate(accelerator._custom_objects):
         fields[_numbered("custom", index)] = obj
@@ -148,6 +158,27 @@ def _items(accelerator: Any, step: int) -> dict[str, Any]:
         step=step, rng=RNGState(), accelerator_step=int(accelerator.step), **fields
     )
     return items
+
+
+def _agree_on_loaders(accelerator: Any, mgr: CheckpointManager, before: str) -> None:
+    """:func:`_check_loaders` on every rank, agreed: a loader that cannot be saved on one rank
+    fails every rank at once (raised on that rank alone, it would leave the others waiting in
+    the manager's first agreement until ``agreement_timeout``). On one process its
+    ``CheckpointTypeError`` is raised as it is."""
+    # The manager's control group: the agreement that its save or restore would start with.
+    mgr._dist.agree(
+        "orbit_pt.accelerate.loaders",
+        lambda: _check_loaders(accelerator),
+        label=f"checking the data loaders before {before}",
+    )
+
+
+def _check_loaders(accelerator: Any) -> None:
+    """Refuse a prepared loader whose position cannot be saved; warn about a lost shuffle."""
+    for index, loader in enumerate(accelerator._dataloaders):
+        _check_stateful(loader, index)
+        if accelerator.num_processes > 1:
+            _warn_if_shuffle_is_lost(loader, index)
 
 
 def _numbered(kind: str, index: int) -> str:
