@@ -252,6 +252,20 @@ def test_wrong_set_ups_are_clear_errors(tmp_path: Path) -> None:
     assert not list((tmp_path / "orbit").glob("step_*"))
 
 
+def test_strategies_that_write_their_own_checkpoints_are_refused(tmp_path: Path) -> None:
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    io = orbit_lightning.OrbitCheckpointIO(tmp_path / "orbit")
+    trainer = _trainer(tmp_path, io, io.callback(), strategy=ModelParallelStrategy(), devices=1)
+    try:
+        with pytest.raises(CheckpointValueError, match="not ModelParallelStrategy"):
+            trainer.fit(_Tiny())
+    finally:  # the strategy set up a (one-process) default group: leave none behind
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert not list((tmp_path / "orbit").glob("step_*"))
+
+
 # --------------------------------------------------------------- a failure on one rank
 
 

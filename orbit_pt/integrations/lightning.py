@@ -394,6 +394,13 @@ class _Plugin:
                 "Trainer(plugins=[io]). Strategies that write their own checkpoints (FSDP, "
                 "model parallel, DeepSpeed) are not supported"
             )
+        if not _supported_strategy(trainer.strategy):
+            raise CheckpointValueError(
+                f"OrbitCheckpointIO supports one process and DDP, not "
+                f"{type(trainer.strategy).__name__}: that strategy writes its own checkpoints "
+                "(or gathers the state before any CheckpointIO sees it). For gather-free FSDP2, "
+                "checkpoint with orbit_pt's own CheckpointManager (docs/fsdp.md)"
+            )
         for callback in trainer.checkpoint_callbacks:
             if getattr(callback, "save_weights_only", False):
                 raise CheckpointValueError(
@@ -416,6 +423,7 @@ class _Plugin:
         if mgr is None:
             return
         self._manager = None
+        self._restore_step = None
         try:
             if not failed:
                 mgr.wait_until_finished()
@@ -623,6 +631,16 @@ def _write_released(folder: Path, steps: set[int], root: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _supported_strategy(strategy: Any) -> bool:
+    """One process or DDP: the strategies that hand every save to the CheckpointIO on rank 0,
+    with the model and optimizers as they are on every rank. (DeepSpeed's derives from DDP's
+    but saves through its engine.)"""
+    names = {cls.__name__ for cls in type(strategy).__mro__}
+    if any(word in name for name in names for word in ("DeepSpeed", "FSDP", "ModelParallel")):
+        return False
+    return bool(names & {"SingleDeviceStrategy", "DDPStrategy"})
 
 
 def _local_path(path: Any) -> Path:
