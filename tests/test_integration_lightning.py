@@ -176,6 +176,20 @@ def _trainer(tmp_path: Path, io: Any, *callbacks: Any, **kwargs: Any) -> Any:
     )  # fmt: skip
 
 
+def test_a_removed_checkpoints_step_goes_and_is_forgotten_once_deleted(tmp_path: Path) -> None:
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    io = orbit_lightning.OrbitCheckpointIO(tmp_path / "orbit")
+    newest = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=2)  # top 1
+    _trainer(tmp_path, io, io.callback(), checkpoints=newest, max_steps=6).fit(_Tiny())
+    assert [p.name for p in (tmp_path / "checkpoints").glob("*.ckpt")] == ["epoch=1-step=6.ckpt"]
+    assert [p.name for p in (tmp_path / "orbit").glob("step_*")] == ["step_00000006"]
+    # Steps 2 and 4 were released, then deleted: the record beside the pointers forgets them,
+    # so that a step saved again under their number is never taken for them.
+    record = json.loads((tmp_path / "checkpoints" / orbit_lightning.RELEASED_FILE).read_text())
+    assert record["steps"] == []
+
+
 def test_a_foreign_ckpt_is_refused_and_never_unpickled(tmp_path: Path) -> None:
     marker = tmp_path / "unpickled"
     foreign = tmp_path / "foreign.ckpt"

@@ -269,6 +269,7 @@ class _Plugin:
         super().__init__()
         self.root = root
         self._released: set[int] = set()
+        self._record_folders: set[Path] = set()  # rank 0: where RELEASED_FILE records are
         # Lightning owns SIGTERM; saves happen when ModelCheckpoint asks (force=True), so the
         # save-interval options do not apply either.
         self._options = dataclasses.replace(
@@ -341,7 +342,9 @@ class _Plugin:
         step = pointer.step
         mgr = self.checkpoint_manager
         if self._trainer.global_rank == 0:
-            self._released.update(_read_released(where.parent, self._root_name()))
+            released = _read_released(where.parent, self._root_name())
+            self._released.update(released & set(mgr.all_steps()))
+            self._record_folders.add(where.parent)
         mgr.wait_until_finished()
         pl_module = self._trainer.lightning_module
         model = self._model(pl_module)
@@ -429,10 +432,12 @@ class _Plugin:
                 mgr.wait_until_finished()
                 self._flush_pointers(mgr)
                 mgr.apply_retention()  # the steps released since the last save go now
+                self._forget_deleted(mgr)
         finally:
             mgr.close()
             self._trainer = None
             self._saved.clear()
+            self._first_dump = None
 
     def _model(self, pl_module: Any) -> torch.nn.Module:
         model = getattr(pl_module, self._model_attr, None)
@@ -454,6 +459,7 @@ class _Plugin:
         step = int(checkpoint["global_step"])
         if step in self._saved:
             return step  # the same step again (save_last): one step, another pointer
+        self._released.discard(step)  # saved anew: no longer the step a pointer let go
         trainer = self._trainer
         if trainer is None:
             raise CheckpointError(
@@ -472,8 +478,10 @@ class _Plugin:
         for index, optimizer in enumerate(trainer.optimizers):
             items["optimizer" if index == 0 else f"optimizer_{index}"] = optimizer
         items[RECIPE] = RecipeState(step=step, rng=RNGState())
-        self.checkpoint_manager.save(step, items, force=True)
+        mgr = self.checkpoint_manager
+        mgr.save(step, items, force=True)
         self._saved.add(step)
+        self._forget_deleted(mgr)
         return step
 
     def _restore_training_state(self) -> None:
@@ -553,7 +561,19 @@ class _Plugin:
         self._released.add(step)
         # Kept beside the pointers, so that a run killed before the step is deleted deletes
         # it after it resumes (load_checkpoint reads this record).
+        self._record_folders.add(folder)
         _write_released(folder, self._released, self._root_name())
+
+    def _forget_deleted(self, mgr: CheckpointManager) -> None:
+        """Drop the released steps that retention has deleted, here and in the records: a
+        step saved again later under the same number (after resuming from an older pointer)
+        must not be taken for the released one."""
+        if not self._released or mgr.is_saving_in_progress():
+            return
+        self._released.intersection_update(mgr.all_steps())
+        for folder in self._record_folders:
+            if folder.is_dir():
+                _write_released(folder, self._released, self._root_name())
 
     def _flush_pointers(self, mgr: CheckpointManager | None = None) -> None:
         """Write the pointers of async saves that have committed since."""
