@@ -116,6 +116,9 @@ def main() -> None:
         accelerator.print(f"trained to step {step}; checkpoints: {mgr.all_steps()}")
     if args.record:
         _record(args.record, losses, data, accelerator.unwrap_model(model))
+    # Destroys the process group while the interpreter is whole: left to its exit, gloo's
+    # threads may still hold tensors and abort the process.
+    accelerator.end_training()
 
 
 def _record(path: str, losses: list[str], data: list[list[int]], model: torch.nn.Module) -> None:

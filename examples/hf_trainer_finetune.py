@@ -105,6 +105,10 @@ def main() -> None:
     if args.record:
         assert trainer.model is not None
         _record(args.record, trainer.losses, trainer.model)
+    if torch.distributed.is_initialized():
+        # The Trainer leaves the process group up; destroyed by the interpreter's exit, gloo's
+        # threads may still hold tensors and abort the process.
+        torch.distributed.destroy_process_group()
 
 
 def _record(path: str, losses: list[str], model: torch.nn.Module) -> None:

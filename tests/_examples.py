@@ -25,11 +25,22 @@ def run_example(example: Path, out: Path, *args: str, ranks: int = 1) -> list[di
         capture_output=True,
         text=True,
         timeout=240,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        env={**_without_launcher_variables(), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     paths = [out] if ranks == 1 else [Path(f"{out}.rank{r}") for r in range(ranks)]
     return [json.loads(path.read_text()) for path in paths]
+
+
+# What torchrun (or a framework in this process) sets: the example gets its own or none.
+_LAUNCHER_VARIABLES = {
+    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    "GROUP_RANK", "NODE_RANK", "TORCHELASTIC_RUN_ID",
+}  # fmt: skip
+
+
+def _without_launcher_variables() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
 
 
 def digest(model: torch.nn.Module) -> str:

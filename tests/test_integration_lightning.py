@@ -81,6 +81,36 @@ def test_a_killed_run_resumes_exactly_in_a_new_process(
     assert digest(model) == whole[0]["weights"]
 
 
+@pytest.mark.distributed
+def test_under_fsdp2_each_rank_saves_its_shards_and_a_killed_run_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    """OrbitModelParallelStrategy: the module shards its GPT-2 with fully_shard in
+    configure_model; every save hands the sharded model and optimizer to orbit_pt on every
+    rank (no gather, no DCP folder, no pickle), and a run killed after step 5 resumes from
+    step 4 with the same batches, losses and final weights as the run that never stopped."""
+    whole = _run(tmp_path / "whole", tmp_path / "whole.json", "--fsdp", ranks=2)
+    first = _run(tmp_path / "cut", tmp_path / "first.json", "--fsdp", "--stop=5", ranks=2)
+    resumed = _run(tmp_path / "cut", tmp_path / "resumed.json", "--fsdp", ranks=2)
+    for rank in range(2):
+        assert first[rank]["batches"][:4] + resumed[rank]["batches"] == whole[rank]["batches"]
+        assert first[rank]["losses"][:4] + resumed[rank]["losses"] == whole[rank]["losses"]
+        assert resumed[rank]["weights"] == whole[rank]["weights"]
+    assert resumed[0]["files"] == whole[0]["files"]
+    root = tmp_path / "cut" / "orbit"
+    step_dir = root / f"step_{STEPS:08d}"
+    _only_open_formats(step_dir)
+    metadata = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())
+    assert metadata["world_size"] == 2
+    # The model is the step's HF folder alone: Lightning's item holds none of its weights.
+    from safetensors.torch import load_file
+
+    lightning_tensors = load_file(step_dir / "lightning" / "tensors.safetensors")
+    assert not [key for key in lightning_tensors if "model." in key]
+    model = transformers.GPT2LMHeadModel.from_pretrained(step_dir / "model")
+    assert digest(model) == whole[0]["weights"]
+
+
 def test_after_a_resume_the_files_are_lightnings_and_only_lightning_drifts(tmp_path: Path) -> None:
     """Killed after step 3 (the first save, at 2, was also the first ``last.ckpt``) and
     resumed: ModelCheckpoint goes on with the same files as with Lightning's own checkpoints
@@ -278,6 +308,26 @@ def test_strategies_that_write_their_own_checkpoints_are_refused(tmp_path: Path)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     assert not list((tmp_path / "orbit").glob("step_*"))
+
+
+def test_the_orbit_strategy_needs_the_plugin_and_takes_no_dcp_option(tmp_path: Path) -> None:
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    strategy_class = orbit_lightning.OrbitModelParallelStrategy
+    with pytest.raises(CheckpointValueError, match="no save_distributed_checkpoint"):
+        strategy_class(save_distributed_checkpoint=False)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy_class(), max_steps=2,
+        callbacks=[checkpoints], logger=False, enable_progress_bar=False,
+    )  # fmt: skip
+    try:
+        with pytest.raises(CheckpointValueError, match=r"plugins=\[OrbitCheckpointIO"):
+            trainer.fit(_Tiny())
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert not (tmp_path / "checkpoints").exists()  # nothing saved the default way
 
 
 # --------------------------------------------------------------- a failure on one rank

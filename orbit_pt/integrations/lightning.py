@@ -46,14 +46,19 @@ a save return after a memory copy, and its pointer is written once the step has 
 ``io.callback(model_attr="model")`` is the callback; ``io.checkpoint_manager`` is the manager,
 open while the Trainer runs.
 
-Supported: one process and DDP (tested with pytorch-lightning 2.6 on CPU, 2 gloo ranks).
-Lightning's FSDP and model-parallel strategies gather the state (or write DCP) before any
-``CheckpointIO`` sees it; use orbit_pt's own loop for gather-free FSDP2 (docs/frameworks.md).
+Supported: one process, DDP, and FSDP2 through :class:`OrbitModelParallelStrategy` (tested
+with pytorch-lightning 2.6 on CPU, 2 gloo ranks). ``OrbitModelParallelStrategy`` is Lightning's
+``ModelParallelStrategy`` (``fully_shard`` in ``configure_model``) whose saves go to the plugin
+on every rank, gather-free: each rank writes its own shards of the model and the optimizers
+into the step's Hugging Face files, as orbit_pt's own FSDP2 path does. Lightning's own
+``ModelParallelStrategy``, ``FSDPStrategy`` and DeepSpeed gather the state (or write DCP) before
+any ``CheckpointIO`` sees it, and are refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -77,7 +82,8 @@ from orbit_pt.options import CheckpointManagerOptions
 from orbit_pt.policies import CheckpointInfo
 from orbit_pt.recipe import RecipeState, RNGState
 
-# OrbitCheckpointIO is built on first access (module __getattr__), so it is not listed here.
+# OrbitCheckpointIO and OrbitModelParallelStrategy are built on first access (module
+# __getattr__, so that importing this module imports no Lightning): they are not listed here.
 __all__ = ["read_pointer"]
 
 logger = logging.getLogger(__name__)
@@ -399,10 +405,11 @@ class _Plugin:
             )
         if not _supported_strategy(trainer.strategy):
             raise CheckpointValueError(
-                f"OrbitCheckpointIO supports one process and DDP, not "
-                f"{type(trainer.strategy).__name__}: that strategy writes its own checkpoints "
-                "(or gathers the state before any CheckpointIO sees it). For gather-free FSDP2, "
-                "checkpoint with orbit_pt's own CheckpointManager (docs/fsdp.md)"
+                f"OrbitCheckpointIO supports one process, DDP and OrbitModelParallelStrategy, "
+                f"not {type(trainer.strategy).__name__}: that strategy writes its own "
+                "checkpoints (or gathers the state before any CheckpointIO sees it). For "
+                "gather-free FSDP2, give the Trainer strategy=OrbitModelParallelStrategy(...) "
+                "from orbit_pt.integrations.lightning (fully_shard in configure_model)"
             )
         for callback in trainer.checkpoint_callbacks:
             if getattr(callback, "save_weights_only", False):
@@ -654,10 +661,12 @@ def _write_released(folder: Path, steps: set[int], root: str) -> None:
 
 
 def _supported_strategy(strategy: Any) -> bool:
-    """One process or DDP: the strategies that hand every save to the CheckpointIO on rank 0,
-    with the model and optimizers as they are on every rank. (DeepSpeed's derives from DDP's
-    but saves through its engine.)"""
+    """One process, DDP, or OrbitModelParallelStrategy: the strategies that hand every save to
+    the CheckpointIO on rank 0, with the model and optimizers as they are on every rank.
+    (DeepSpeed's derives from DDP's but saves through its engine.)"""
     names = {cls.__name__ for cls in type(strategy).__mro__}
+    if "OrbitModelParallelStrategy" in names:
+        return True
     if any(word in name for name in names for word in ("DeepSpeed", "FSDP", "ModelParallel")):
         return False
     return bool(names & {"SingleDeviceStrategy", "DDPStrategy"})
@@ -743,11 +752,122 @@ def _plugin_class() -> type:
     return OrbitCheckpointIO
 
 
+def _strategies_module() -> Any:
+    """Lightning's ``strategies`` module: ``pytorch_lightning``'s when installed, else the
+    ``lightning`` package's (a strategy subclasses one package's classes only)."""
+    for package in ("pytorch_lightning", "lightning.pytorch"):
+        try:
+            return importlib.import_module(f"{package}.strategies")
+        except ImportError:
+            continue
+    raise ImportError(
+        "orbit_pt.integrations.lightning needs Lightning: pip install 'orbit_pt[lightning]'"
+    )
+
+
+def _strategy_class() -> type:
+    strategies = _strategies_module()
+    Strategy: Any = strategies.Strategy  # noqa: N806 (Lightning's class)
+    base: Any = strategies.ModelParallelStrategy
+
+    class OrbitModelParallelStrategy(base):
+        """Lightning's ``ModelParallelStrategy`` (FSDP2: ``fully_shard`` in the module's
+        ``configure_model``) whose checkpoints are orbit_pt steps written without gathering.
+
+        Give it with the plugin: ``Trainer(strategy=OrbitModelParallelStrategy(
+        data_parallel_size=2), plugins=[io], callbacks=[io.callback(), checkpoints])``. The
+        arguments are ``ModelParallelStrategy``'s but ``save_distributed_checkpoint`` (the
+        plugin writes every checkpoint). Lightning's own strategy gathers nothing either, but
+        writes DCP folders with a pickled metadata file, bypassing the ``CheckpointIO``; this
+        one hands each save to the plugin, which saves the sharded model and optimizers as
+        they are on every rank (each rank writes its own rows into the step's Hugging Face
+        files), and restores them in place on a resume.
+        """
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if "save_distributed_checkpoint" in kwargs:
+                raise CheckpointValueError(
+                    "OrbitModelParallelStrategy takes no save_distributed_checkpoint: every "
+                    "checkpoint is an orbit_pt step, written by each rank without gathering"
+                )
+            super().__init__(*args, **kwargs)
+
+        def _orbit_plugin(self) -> _Plugin:
+            plugin = self.checkpoint_io
+            if not isinstance(plugin, _Plugin):
+                raise CheckpointValueError(
+                    "OrbitModelParallelStrategy saves through OrbitCheckpointIO; give the "
+                    f"Trainer plugins=[OrbitCheckpointIO(root)] (it has "
+                    f"{type(plugin).__name__})"
+                )
+            return plugin
+
+        def setup(self, trainer: Any) -> None:
+            self._orbit_plugin()  # before anything could be saved the default way (a pickle)
+            super().setup(trainer)
+
+        def lightning_module_state_dict(self) -> dict[str, Any]:
+            # The plugin saves the module model_attr names from the module itself (sharded,
+            # gather-free); Lightning's checkpoint keeps only the weights outside it, which
+            # are plain tensors here (a sharded one is refused: it would need a gather).
+            prefix = f"{self._orbit_plugin()._model_attr}."
+            others = {
+                key: value
+                for key, value in self.lightning_module.state_dict().items()
+                if not key.startswith(prefix)
+            }
+            sharded = [key for key, value in others.items() if _is_dtensor(value)]
+            if sharded:
+                raise CheckpointValueError(
+                    f"{sharded[0]!r} is sharded but outside the model io.callback(model_attr=...) "
+                    "names; keep every sharded module under that attribute"
+                )
+            return others
+
+        def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+            # The plugin saves trainer.optimizers themselves, by parameter name, per shard.
+            return {}
+
+        def save_checkpoint(
+            self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+        ) -> None:
+            # As single-process and DDP strategies do: rank 0 hands the checkpoint to the
+            # plugin; the other ranks joined the same collective save from the callback's
+            # on_save_checkpoint. (ModelParallelStrategy's own would write DCP here.)
+            Strategy.save_checkpoint(self, checkpoint, filepath, storage_options)
+
+        def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+            # Every rank: the plugin restores the sharded model in place (each rank reads its
+            # own rows) and returns the rest of Lightning's checkpoint.
+            return self._orbit_plugin().load_checkpoint(checkpoint_path)
+
+        def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+            # The model was restored in place by load_checkpoint; only the weights outside it
+            # are left to load.
+            prefix = f"{self._orbit_plugin()._model_attr}."
+            others = {
+                key: value
+                for key, value in checkpoint.get("state_dict", {}).items()
+                if not key.startswith(prefix)
+            }
+            if others:
+                self.lightning_module.load_state_dict(others, strict=False)
+
+    OrbitModelParallelStrategy.__module__ = __name__
+    return OrbitModelParallelStrategy
+
+
+def _is_dtensor(value: Any) -> bool:
+    return type(value).__name__ == "DTensor"
+
+
 def __getattr__(name: str) -> Any:
-    # OrbitCheckpointIO subclasses Lightning's CheckpointIO: built on first use, so that
-    # importing this module does not import Lightning.
-    if name == "OrbitCheckpointIO":
-        cls = _plugin_class()
-        globals()["OrbitCheckpointIO"] = cls
+    # OrbitCheckpointIO subclasses Lightning's CheckpointIO, OrbitModelParallelStrategy its
+    # ModelParallelStrategy: built on first use, so that importing this module does not
+    # import Lightning.
+    builders = {"OrbitCheckpointIO": _plugin_class, "OrbitModelParallelStrategy": _strategy_class}
+    if name in builders:
+        cls = builders[name]()
+        globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
