@@ -350,3 +350,69 @@ def test_a_failed_lightning_state_write_on_rank_0_fails_every_rank(tmp_path: Pat
     from _distributed import run_ranks
 
     run_ranks(2, _state_fails_on_rank_0, str(tmp_path / "ckpt"), timeout=120.0)
+
+
+class _ShardedTiny(_Tiny):
+    """_Tiny with its model sharded by FSDP2 (fully_shard) in configure_model: 4 rows, so that
+    each of 2 ranks holds (and writes) some."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Linear(4, 4)
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        if self.device_mesh is not None:
+            fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+
+
+def _fsdp2_write_fails_on_rank_1(rank: int, world_size: int, root: str) -> None:
+    import os
+
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from orbit_pt._format import direct_io, sharding
+
+    # The ranks are up (gloo, run_ranks); Lightning joins that group as under torchrun.
+    os.environ.update(
+        TORCHELASTIC_RUN_ID="orbit-test", RANK=str(rank), LOCAL_RANK=str(rank),
+        GROUP_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+    )  # fmt: skip
+    if rank == 1:  # its rows of the model files cannot be written: that node's disk is full
+
+        class Full(direct_io.RangeWriter):
+            def write(self, *args: Any, **kwargs: Any) -> Any:
+                raise OSError(28, "No space left on device (injected)")
+
+        sharding.RangeWriter = Full  # type: ignore[attr-defined]
+    io = orbit_lightning.OrbitCheckpointIO(Path(root) / "orbit")
+    checkpoints = ModelCheckpoint(dirpath=Path(root) / "checkpoints", every_n_train_steps=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, max_steps=4, logger=False,
+        strategy=orbit_lightning.OrbitModelParallelStrategy(
+            data_parallel_size=world_size, tensor_parallel_size=1
+        ),
+        plugins=[io], callbacks=[io.callback(), checkpoints], enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(CheckpointSaveError) as raised:
+        trainer.fit(_ShardedTiny())
+    message = str(raised.value)
+    assert "on rank(s) [1] of 2" in message, message  # the same on both ranks
+    assert "No space left" in message, message
+    # Nothing committed, and no pointer names a step that is not there.
+    assert not list((Path(root) / "orbit").glob("step_*[0-9]"))
+    assert not list((Path(root) / "checkpoints").glob("*.ckpt"))
+
+
+@pytest.mark.distributed
+def test_under_fsdp2_a_write_failing_on_one_rank_fails_the_save_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Every rank writes its own shards: when rank 1's write fails (ENOSPC), both ranks' fit
+    raises the same CheckpointSaveError naming rank 1, nothing is committed and no ModelCheckpoint
+    pointer is written -- and no rank is left waiting in the save (run_ranks' hard timeout)."""
+    from _distributed import run_ranks
+
+    run_ranks(2, _fsdp2_write_fails_on_rank_1, str(tmp_path), timeout=180.0)

@@ -329,14 +329,22 @@ class Collective:
         failed = {rank: msg for rank, (_, msg, _) in enumerate(reports) if msg is not None}
         elsewhere = {rank: where for rank, (where, _, _) in enumerate(reports) if where != tag}
         if elsewhere:
-            detail = "; ".join(
-                f"rank {rank} was at {where!r}" + (f" ({failed[rank]})" if rank in failed else "")
-                for rank, where in elsewhere.items()
-            )
-            own = f"; on this rank: {mine}" if mine is not None else ""
+            # A rank that failed inside an agreement's fn left it early and meets its peers at
+            # the next one; those peers are at an inner one. Say where each rank was and who
+            # failed, from every rank's view alike.
+            positions = "; ".join(f"rank {r} was at {where!r}" for r, where in elsewhere.items())
+            if failed:
+                causes = "; ".join(f"rank {r}: {message}" for r, message in failed.items())
+                headline = f"{label} failed on rank(s) {sorted(failed)} of {self.world_size}"
+                headline += f": {causes}"
+            else:
+                headline = (
+                    f"{label} failed: no rank reported an error, but the ranks did not make the "
+                    "same calls in the same order (every rank must save and restore alike)"
+                )
             agreed = AgreedError(
-                f"{label} failed: the ranks are out of step, because rank(s) {sorted(elsewhere)} "
-                f"failed before reaching it: {detail}{own}",
+                f"{headline}. The ranks are out of step (this rank was at {tag!r}; "
+                f"{positions}), so every rank stops here",
                 failed,
                 error,
             )
