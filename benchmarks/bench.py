@@ -316,6 +316,19 @@ def run(size_gb: float, repeats: int, workdir: Path) -> dict[str, Any]:
     sync.close()
     shutil.rmtree(root)
 
+    # The same save with the async manager's retention, so that "async until durable" has a
+    # sync save to compare with that also deletes the previous step.
+    kept = CheckpointManager(
+        root, options=CheckpointManagerOptions(keep_last_n=1, preemption_signals=())
+    )
+    measure(
+        "orbit_pt save (sync, keep_last_n=1)",
+        "orbit_pt",
+        lambda: kept.save(next(counter), items, force=True),
+    )
+    kept.close()
+    shutil.rmtree(root)
+
     async_mgr = CheckpointManager(
         root,
         options=CheckpointManagerOptions(async_save=True, keep_last_n=1, preemption_signals=()),
@@ -406,6 +419,10 @@ def report(results: dict[str, Result], total: int, can_evict: bool, count: int) 
         "warm restore / in-memory copy": rate("orbit_pt restore in place (warm)") / copy_limit,
         "async blocked time / copy time": results["orbit_pt async save: blocked"].median
         / results["copy into preallocated"].median,
+        "async until durable / sync save, same retention": rate(
+            "orbit_pt async save: until durable"
+        )
+        / rate("orbit_pt save (sync, keep_last_n=1)"),
     }
     runs = len(next(iter(results.values())).seconds)
     print(f"\nstate: {total / GB:.2f} GB in {count} tensors; medians of {runs} runs")
