@@ -35,11 +35,13 @@ def main() -> None:
     args = parser.parse_args()
     model, optimizer = bench.build_state(args.size_gb)
     items = {"model": model, "optimizer": optimizer}
-    quiet = {"preemption_signals": ()}
+    quiet: tuple[int, ...] = ()  # no signal handlers
     modes = {
-        "sync, keep_last_n=1": CheckpointManagerOptions(keep_last_n=1, **quiet),
-        "sync, every step kept": CheckpointManagerOptions(**quiet),
-        "async, keep_last_n=1": CheckpointManagerOptions(async_save=True, keep_last_n=1, **quiet),
+        "sync, keep_last_n=1": CheckpointManagerOptions(keep_last_n=1, preemption_signals=quiet),
+        "sync, every step kept": CheckpointManagerOptions(preemption_signals=quiet),
+        "async, keep_last_n=1": CheckpointManagerOptions(
+            async_save=True, keep_last_n=1, preemption_signals=quiet
+        ),
     }
     work = Path(tempfile.mkdtemp(prefix="orbit-async-", dir=args.dir))
     managers = {
