@@ -111,6 +111,27 @@ def test_under_fsdp2_each_rank_saves_its_shards_and_a_killed_run_resumes_exactly
     assert digest(model) == whole[0]["weights"]
 
 
+@pytest.mark.distributed
+def test_an_fsdp2_step_saved_on_2_ranks_resumes_in_one_process(tmp_path: Path) -> None:
+    """A step saved by 2 FSDP2 ranks loads into one process: the model is resharded bitwise,
+    and training goes on (the optimizers resharded; the data loaders' positions, which belong
+    to the old ranks' samplers, and the per-rank RNG are left out with a warning, instead of
+    failing inside torchdata)."""
+    two = _run(tmp_path / "run", tmp_path / "two.json", "--fsdp", "--steps=6", ranks=2)
+    loaded = _run(tmp_path / "run", tmp_path / "one.json", "--fsdp", "--steps=6")[0]
+    assert loaded["losses"] == []  # max_steps already reached: nothing trained
+    assert loaded["weights"] == two[0]["weights"]
+    more = _run(tmp_path / "run", tmp_path / "more.json", "--fsdp", "--steps=9")[0]
+    assert len(more["losses"]) == 3
+    assert all(0.0 < float.fromhex(loss) < 10.0 for loss in more["losses"])
+    last = json.loads((tmp_path / "run" / "checkpoints" / "last.ckpt").read_text())
+    assert last["orbit_step"] == 8
+    metadata = json.loads(
+        (tmp_path / "run" / "orbit" / "step_00000008" / "_CHECKPOINT_METADATA").read_text()
+    )
+    assert metadata["world_size"] == 1
+
+
 def test_after_a_resume_the_files_are_lightnings_and_only_lightning_drifts(tmp_path: Path) -> None:
     """Killed after step 3 (the first save, at 2, was also the first ``last.ckpt``) and
     resumed: ModelCheckpoint goes on with the same files as with Lightning's own checkpoints

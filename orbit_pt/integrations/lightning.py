@@ -357,6 +357,9 @@ class _Plugin:
         mgr.restore(step, {"model": model})
         checkpoint = dict(mgr.restore(step, [LIGHTNING])[LIGHTNING])
         _apply_overrides(checkpoint, pointer.overrides)
+        saved_world = mgr.metadata(step).world_size
+        if saved_world != int(self._trainer.world_size):
+            _drop_loader_positions(checkpoint, step, saved_world, int(self._trainer.world_size))
         state = pl_module.state_dict()
         state.update(checkpoint.pop(_OTHER_WEIGHTS, {}))
         checkpoint["state_dict"] = state
@@ -658,6 +661,29 @@ def _write_released(folder: Path, steps: set[int], root: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _drop_loader_positions(
+    checkpoint: dict[str, Any], step: int, saved_world: int, world: int
+) -> None:
+    """Take the data loaders' positions out of a checkpoint saved by another number of ranks.
+
+    A position is rank 0's, in the order of the old world's sampler (which rows each rank
+    drew): loaded into this run's loaders it would mean other data, or fail inside torchdata
+    (a distributed sampler's state into a single-process loader). Without it each loader
+    starts its epoch over, as Lightning does for a loader it cannot restore; the model and
+    optimizers are resharded and the step count goes on.
+    """
+    fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    if isinstance(fit_state, dict) and fit_state.pop("combined_loader", None):
+        logger.warning(
+            "step %d was saved by %d rank(s), this run has %d: the data loaders' positions "
+            "are not restored (they belong to the old ranks' samplers); the data starts this "
+            "epoch over",
+            step,
+            saved_world,
+            world,
+        )
 
 
 def _supported_strategy(strategy: Any) -> bool:
