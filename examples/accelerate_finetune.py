@@ -56,6 +56,11 @@ def main() -> None:
     parser.add_argument("--stop", type=int, default=0, help="stop after this batch, as if killed")
     parser.add_argument("--total-limit", type=int, default=None, help="checkpoints kept")
     parser.add_argument("--record", default=None, help="write losses, batches, weights here")
+    parser.add_argument(
+        "--other-world-size",
+        action="store_true",
+        help="resume a step saved on another number of ranks (fresh RNG, data started over)",
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -94,7 +99,10 @@ def main() -> None:
     data: list[list[int]] = []  # each batch's first tokens: tells a data drift from an RNG one
     stop = args.stop or args.steps
     with CheckpointManager(args.root, options=options) as mgr:
-        step = orbit.load_state(accelerator, mgr) or 0  # the latest step; 0 on an empty root
+        # The latest step; 0 on an empty root. On another number of ranks than saved it, the
+        # per-rank parts must be left out (the resume is then not exact).
+        per_rank = ("recipe.rng", "recipe.dataloader") if args.other_world_size else ()
+        step = orbit.load_state(accelerator, mgr, exclude=per_rank) or 0
         accelerator.print(f"starting at step {step}")
         model.train()
         while step < stop:

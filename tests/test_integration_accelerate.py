@@ -111,6 +111,37 @@ def _accelerator(project_dir: Path, total_limit: int | None = None) -> Any:
     )
 
 
+@pytest.mark.distributed
+def test_a_step_from_2_ranks_resumes_in_one_process_only_with_the_per_rank_parts_left_out(
+    tmp_path: Path,
+) -> None:
+    """The RNG and the loader's position are per rank: restoring them on another number of
+    ranks is refused with the load_state call that leaves them out; with it, the run resumes
+    from the step (the model and optimizer resharded) and trains on."""
+    import os
+    import subprocess
+    import sys
+
+    root = tmp_path / "ckpt"
+    _run(root, tmp_path / "two.json", "--steps=4", ranks=2)
+    refused = subprocess.run(
+        [sys.executable, str(EXAMPLE), str(root), "--steps=8"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )
+    assert refused.returncode != 0
+    assert "StateMismatchError" in refused.stderr
+    assert (
+        'accelerate.load_state(accelerator, mgr, exclude=("recipe.rng", "recipe.dataloader"))'
+        in refused.stderr
+    ), refused.stderr[-2000:]
+    resumed = _run(root, tmp_path / "one.json", "--steps=8", "--other-world-size")[0]
+    assert len(resumed["losses"]) == 4  # batches 5..8: it went on from step 4, not from 0
+    assert all(0.0 < float.fromhex(loss) < 10.0 for loss in resumed["losses"])
+
+
 def test_total_limit_keeps_the_steps_accelerate_keeps(tmp_path: Path) -> None:
     accelerator = _accelerator(tmp_path / "native", total_limit=2)
     model = accelerator.prepare(torch.nn.Linear(4, 2))

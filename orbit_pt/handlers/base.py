@@ -170,7 +170,7 @@ def per_rank_error(
     spelled = ", ".join(f'"{name}"' for name in exclude)
     if len(exclude) == 1:
         spelled += ","
-    return StateMismatchError(
+    error = StateMismatchError(
         f"step {step} was saved on {saved_world_size} rank(s) and is restored on {world_size}; "
         f"{len(problems)} part(s) of it hold per-rank state, which cannot be carried over to "
         f"another number of ranks:\n  {lines}\n"
@@ -179,3 +179,6 @@ def per_rank_error(
         f"restore(..., exclude=({spelled})). An object that can reshard its per-rank states "
         "may implement load_state_dict_from_ranks(states) instead (docs/elastic.md)"
     )
+    # What an integration that calls restore() for its user names in its own advice.
+    error.excludable = tuple(exclude)  # type: ignore[attr-defined]
+    return error

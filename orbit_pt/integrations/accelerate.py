@@ -43,11 +43,16 @@ shards the batch sampler, which torchdata cannot save): :func:`save_state` warns
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from orbit_pt._control.collective import AgreedError, PeerError
-from orbit_pt.errors import CheckpointSaveError, CheckpointTypeError
+from orbit_pt.errors import (
+    CheckpointError,
+    CheckpointSaveError,
+    CheckpointTypeError,
+    StateMismatchError,
+)
 from orbit_pt.manager import CheckpointManager
 from orbit_pt.options import CheckpointManagerOptions
 from orbit_pt.recipe import RecipeState, RNGState
@@ -94,11 +99,22 @@ def save_state(
     return mgr.save(step, _items(accelerator, step), metrics=metrics, force=force)
 
 
-def load_state(accelerator: Any, mgr: CheckpointManager, step: int | None = None) -> int | None:
+def load_state(
+    accelerator: Any,
+    mgr: CheckpointManager,
+    step: int | None = None,
+    *,
+    exclude: Sequence[str] = (),
+) -> int | None:
     """Restore step ``step`` of ``mgr`` (default: the latest) into what ``accelerator`` prepared.
 
     Prepare the same models, optimizers, schedulers and loaders, and register the same objects,
     as the run that saved it, before calling this (every rank calls it).
+
+    ``exclude`` leaves parts of the step out, as :meth:`CheckpointManager.restore`'s: on another
+    number of ranks than saved the step, the per-rank parts must be --
+    ``exclude=("recipe.rng", "recipe.dataloader")`` (fresh RNG seeds, the loader starting its
+    data over; the models and optimizers are resharded). Such a resume is not exact.
 
     Returns:
         The training step restored (the ``step`` given to :func:`save_state`), or None when
@@ -119,10 +135,31 @@ def load_state(accelerator: Any, mgr: CheckpointManager, step: int | None = None
             return None
     _agree_on_loaders(accelerator, mgr, f"the restore of step {step}")
     items = _items(accelerator, step)
-    mgr.restore(step, items)
+    try:
+        mgr.restore(step, items, exclude=exclude)
+    except CheckpointError as exc:
+        excludable = _excludable(exc)
+        if excludable is None:
+            raise
+        spelled = ", ".join(f'"{name}"' for name in excludable)
+        raise StateMismatchError(
+            f"{exc}\nWith Accelerate: orbit_pt.integrations.accelerate.load_state(accelerator, "
+            f"mgr, exclude=({spelled}{',' if len(excludable) == 1 else ''}))"
+        ) from exc
     recipe = items[RECIPE]
     accelerator.step = int(recipe.accelerator_step)
     return int(recipe.step)
+
+
+def _excludable(error: BaseException) -> tuple[str, ...] | None:
+    """The ``exclude=`` that a per-rank-state error (or the agreed error it caused) asks for."""
+    seen: BaseException | None = error
+    while seen is not None:
+        names = getattr(seen, "excludable", None)
+        if names is not None:
+            return tuple(names)
+        seen = seen.__cause__
+    return None
 
 
 def options_from_project_config(accelerator: Any, **overrides: Any) -> CheckpointManagerOptions:
