@@ -177,6 +177,33 @@ def test_bad_resume_arguments_are_clear_errors(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.distributed
+def test_on_another_number_of_ranks_the_rng_is_left_as_seeded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The RNG of a step saved by 2 ranks is per rank: a one-process resume keeps the seeds it
+    set (as the Trainer does when it finds no RNG file for its rank) and warns, rather than
+    load rank 0's streams; the same world size restores them."""
+    out = tmp_path / "out"
+    _run(out, tmp_path / "two.json", "--steps=4", ranks=2)
+    trainer = _trainer(hf.OrbitTrainer, out)
+    resume = trainer._orbit_resume_path(True)
+    torch.manual_seed(123)
+    seeded = torch.get_rng_state()
+    with caplog.at_level("WARNING", logger="orbit_pt.integrations.hf"):
+        trainer._load_rng_state(resume)
+    assert torch.equal(torch.get_rng_state(), seeded)
+    assert "saved by 2 rank(s), this run has 1: the RNG is not restored" in caplog.text
+    trainer.checkpoint_manager.close()
+    # Same world size: the saved streams come back.
+    _run(tmp_path / "one", tmp_path / "one.json", "--steps=4")
+    alone = _trainer(hf.OrbitTrainer, tmp_path / "one")
+    torch.manual_seed(123)
+    alone._load_rng_state(alone._orbit_resume_path(True))
+    assert not torch.equal(torch.get_rng_state(), seeded)
+    alone.checkpoint_manager.close()
+
+
 def test_importing_the_integrations_imports_no_framework() -> None:
     code = (
         "import sys, orbit_pt, orbit_pt.integrations\n"

@@ -265,7 +265,23 @@ class OrbitTrainerMixin:
         # the data), so the streams go on as in the run that never stopped.
         if checkpoint is None:
             return
-        recipe = self._orbit_recipe(self._orbit_step_of(checkpoint))
+        trainer: Any = self
+        step = self._orbit_step_of(checkpoint)
+        saved_world = self.checkpoint_manager.metadata(step).world_size
+        world = int(trainer.args.world_size)
+        if saved_world != world:
+            # The RNG is per rank: another world's streams would give ranks the wrong ones (or
+            # every rank rank 0's). The Trainer's own resume keeps the seeds it set when it
+            # finds no RNG file for its rank; so does this one, and says so.
+            logger.warning(
+                "step %d was saved by %d rank(s), this run has %d: the RNG is not restored "
+                "(it is per rank), so the run goes on with other random numbers",
+                step,
+                saved_world,
+                world,
+            )
+            return
+        recipe = self._orbit_recipe(step)
         if "rng" in recipe:
             RNGState().load_state_dict(recipe["rng"])
 
