@@ -25,7 +25,7 @@ def run_example(example: Path, out: Path, *args: str, ranks: int = 1) -> list[di
         capture_output=True,
         text=True,
         timeout=240,
-        env={**_without_launcher_variables(), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        env=example_env(),
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     paths = [out] if ranks == 1 else [Path(f"{out}.rank{r}") for r in range(ranks)]
@@ -39,8 +39,11 @@ _LAUNCHER_VARIABLES = {
 }  # fmt: skip
 
 
-def _without_launcher_variables() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
+def example_env() -> dict[str, str]:
+    """The environment an example runs in: this one without launcher variables, the repository
+    on the path, one OpenMP thread."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
+    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 def digest(model: torch.nn.Module) -> str:

@@ -118,9 +118,10 @@ def test_a_step_from_2_ranks_resumes_in_one_process_only_with_the_per_rank_parts
     """The RNG and the loader's position are per rank: restoring them on another number of
     ranks is refused with the load_state call that leaves them out; with it, the run resumes
     from the step (the model and optimizer resharded) and trains on."""
-    import os
     import subprocess
     import sys
+
+    from _examples import example_env
 
     root = tmp_path / "ckpt"
     _run(root, tmp_path / "two.json", "--steps=4", ranks=2)
@@ -129,7 +130,7 @@ def test_a_step_from_2_ranks_resumes_in_one_process_only_with_the_per_rank_parts
         capture_output=True,
         text=True,
         timeout=240,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        env=example_env(),
     )
     assert refused.returncode != 0
     assert "StateMismatchError" in refused.stderr

@@ -437,3 +437,57 @@ def test_under_fsdp2_a_write_failing_on_one_rank_fails_the_save_on_every_rank(
     from _distributed import run_ranks
 
     run_ranks(2, _fsdp2_write_fails_on_rank_1, str(tmp_path), timeout=180.0)
+
+
+def _fsdp2_read_fails_on_rank_1(rank: int, world_size: int, root: str) -> None:
+    import os
+
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from orbit_pt._format.safetensors import SafetensorsReader
+
+    os.environ.update(
+        TORCHELASTIC_RUN_ID="orbit-test", RANK=str(rank), LOCAL_RANK=str(rank),
+        GROUP_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+    )  # fmt: skip
+
+    def fit(max_steps: int, ckpt_path: str | None) -> None:
+        io = orbit_lightning.OrbitCheckpointIO(Path(root) / "orbit")
+        checkpoints = ModelCheckpoint(
+            dirpath=Path(root) / "checkpoints", every_n_train_steps=2, save_last=True
+        )
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=world_size, max_steps=max_steps, logger=False,
+            strategy=orbit_lightning.OrbitModelParallelStrategy(
+                data_parallel_size=world_size, tensor_parallel_size=1
+            ),
+            plugins=[io], callbacks=[io.callback(), checkpoints], enable_progress_bar=False,
+            enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(_ShardedTiny(), ckpt_path=ckpt_path)
+
+    fit(2, None)  # step 2 committed by both ranks
+    if rank == 1:  # its rows of the model file cannot be read back: a disk error on that node
+
+        def unreadable(self: Any, offset: int, view: memoryview) -> None:
+            raise OSError(5, "Input/output error (injected)")
+
+        SafetensorsReader.read_range = unreadable  # type: ignore[method-assign]
+    with pytest.raises(CheckpointError) as raised:
+        fit(4, "last")
+    message = str(raised.value)
+    # As every agreed restore: the failing rank raises its own error, the others one naming it.
+    assert ("rank(s) [1]" in message) == (rank == 0), message
+    assert "Input/output error" in message, message
+
+
+@pytest.mark.distributed
+def test_under_fsdp2_a_read_failing_on_one_rank_fails_the_resume_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Every rank reads its own rows on a resume: when rank 1's read fails, rank 1's fit raises
+    that error and rank 0's one naming rank 1 and its cause -- no rank trains on with a
+    half-restored model, and none is left waiting (run_ranks' hard timeout)."""
+    from _distributed import run_ranks
+
+    run_ranks(2, _fsdp2_read_fails_on_rank_1, str(tmp_path), timeout=180.0)

@@ -40,6 +40,7 @@ from typing import Any, Literal
 from orbit_pt._storage import layout as _layout
 from orbit_pt.errors import CheckpointError, CheckpointValueError, StepNotFoundError
 from orbit_pt.handlers.base import HandlerContext
+from orbit_pt.integrations._world import RNG_LEFT_OUT, saved_by_this_world
 from orbit_pt.manager import CheckpointManager
 from orbit_pt.options import CheckpointManagerOptions
 from orbit_pt.policies import CheckpointInfo
@@ -267,19 +268,11 @@ class OrbitTrainerMixin:
             return
         trainer: Any = self
         step = self._orbit_step_of(checkpoint)
-        saved_world = self.checkpoint_manager.metadata(step).world_size
+        # The RNG is per rank: another world's streams would give ranks the wrong ones (or
+        # every rank rank 0's). The Trainer's own resume keeps the seeds it set when it finds
+        # no RNG file for its rank; so does this one, and says so.
         world = int(trainer.args.world_size)
-        if saved_world != world:
-            # The RNG is per rank: another world's streams would give ranks the wrong ones (or
-            # every rank rank 0's). The Trainer's own resume keeps the seeds it set when it
-            # finds no RNG file for its rank; so does this one, and says so.
-            logger.warning(
-                "step %d was saved by %d rank(s), this run has %d: the RNG is not restored "
-                "(it is per rank), so the run goes on with other random numbers",
-                step,
-                saved_world,
-                world,
-            )
+        if not saved_by_this_world(self.checkpoint_manager, step, world, RNG_LEFT_OUT, logger):
             return
         recipe = self._orbit_recipe(step)
         if "rng" in recipe:

@@ -77,6 +77,7 @@ from orbit_pt.errors import (
 )
 from orbit_pt.handlers.base import HandlerContext
 from orbit_pt.handlers.state import StateHandler
+from orbit_pt.integrations._world import RNG_LEFT_OUT, saved_by_this_world
 from orbit_pt.manager import CheckpointManager
 from orbit_pt.options import CheckpointManagerOptions
 from orbit_pt.policies import CheckpointInfo
@@ -357,9 +358,9 @@ class _Plugin:
         mgr.restore(step, {"model": model})
         checkpoint = dict(mgr.restore(step, [LIGHTNING])[LIGHTNING])
         _apply_overrides(checkpoint, pointer.overrides)
-        saved_world = mgr.metadata(step).world_size
-        if saved_world != int(self._trainer.world_size):
-            _drop_loader_positions(checkpoint, step, saved_world, int(self._trainer.world_size))
+        world = int(self._trainer.world_size)
+        if not saved_by_this_world(mgr, step, world, _LOADERS_LEFT_OUT, logger):
+            _drop_loader_positions(checkpoint)
         state = pl_module.state_dict()
         state.update(checkpoint.pop(_OTHER_WEIGHTS, {}))
         checkpoint["state_dict"] = state
@@ -506,16 +507,7 @@ class _Plugin:
             items["optimizer" if index == 0 else f"optimizer_{index}"] = optimizer
         # The model names the optimizers' state; it was loaded already, so it is left out.
         mgr.restore(step, items, exclude=("model",))
-        saved_world = mgr.metadata(step).world_size
-        world = int(trainer.world_size)
-        if saved_world != world:
-            logger.warning(
-                "step %d was saved by %d rank(s), this run has %d: the RNG is not restored "
-                "(it is per rank), so the run goes on with other random numbers",
-                step,
-                saved_world,
-                world,
-            )
+        if not saved_by_this_world(mgr, step, int(trainer.world_size), RNG_LEFT_OUT, logger):
             return
         recipe = mgr.restore(step, [RECIPE])[RECIPE]
         RNGState().load_state_dict(recipe["rng"])
@@ -663,9 +655,13 @@ def _write_released(folder: Path, steps: set[int], root: str) -> None:
         raise
 
 
-def _drop_loader_positions(
-    checkpoint: dict[str, Any], step: int, saved_world: int, world: int
-) -> None:
+_LOADERS_LEFT_OUT = (
+    "the data loaders' positions are not restored (they belong to the old ranks' samplers); "
+    "the data starts this epoch over"
+)
+
+
+def _drop_loader_positions(checkpoint: dict[str, Any]) -> None:
     """Take the data loaders' positions out of a checkpoint saved by another number of ranks.
 
     A position is rank 0's, in the order of the old world's sampler (which rows each rank
@@ -675,15 +671,8 @@ def _drop_loader_positions(
     optimizers are resharded and the step count goes on.
     """
     fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
-    if isinstance(fit_state, dict) and fit_state.pop("combined_loader", None):
-        logger.warning(
-            "step %d was saved by %d rank(s), this run has %d: the data loaders' positions "
-            "are not restored (they belong to the old ranks' samplers); the data starts this "
-            "epoch over",
-            step,
-            saved_world,
-            world,
-        )
+    if isinstance(fit_state, dict):
+        fit_state.pop("combined_loader", None)
 
 
 def _supported_strategy(strategy: Any) -> bool:
