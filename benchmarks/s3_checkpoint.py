@@ -8,6 +8,8 @@ round:
   then the uploads are completed and the marker put;
 - ``boto3 upload``: ``upload_file`` of the files such a save wrote, with a multithreaded
   ``TransferConfig`` (the same bytes, already on disk: boto3 does less than the save);
+- ``write + boto3 upload``: what a training script without orbit_pt does to put the same
+  weights in S3 -- ``safetensors.torch.save_file`` + fsync, then ``upload_file``;
 - ``orbit_pt restore``: a manager with an empty mirror (another machine) restores the step
   into a fresh model (download + read);
 - ``boto3 download``: ``download_file`` of the same objects into an empty folder.
@@ -16,7 +18,9 @@ The save and the upload alternate which goes first (and so do the restore and th
 and every object is deleted after each round: moto keeps objects in memory and slows as it fills.
 moto is a Python server and CPU-bound, so loopback numbers measure both clients' overhead plus
 the server's, on the same terms; a real S3 endpoint is much faster for both. Medians of the
-rounds are printed as a table with the ratios.
+rounds are printed as a table with the ratios, with the CPU time the server and the client
+spent on each (the server's from ``/proc/<pid>/stat``): moto serves requests under one GIL, so
+its cores-in-use figure shows when it, and not the client, sets the pace.
 
 With ``--fsdp-ranks N`` it instead saves an FSDP2 model from N gloo ranks and reports each
 rank's peak memory growth during the save (``VmHWM``, reset through ``/proc/self/clear_refs``)
@@ -29,6 +33,7 @@ Run: ``.venv/bin/python benchmarks/s3_checkpoint.py --size-mb 256 --rounds 3``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import socket
@@ -38,9 +43,11 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
 
@@ -75,6 +82,17 @@ def _model(size_mb: int, width: int = 2048) -> torch.nn.Module:
     # a small --width makes many small tensors (one request each when restored by range).
     layers = max(1, size_mb * 2**20 // (4 * width * width))
     return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+
+
+def _server_cpu(pid: int) -> float:
+    """CPU seconds (user + system) the process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _client_cpu() -> float:
+    times = os.times()
+    return times.user + times.system
 
 
 def _rss_mb(field: str) -> float:
@@ -201,12 +219,25 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="orbit-s3-bench-"))
     model = _model(args.size_mb, args.width)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    times: dict[str, list[float]] = {
-        "orbit_pt save": [],
-        "boto3 upload": [],
-        "orbit_pt restore": [],
-        "boto3 download": [],
-    }
+    names = (
+        "orbit_pt save",
+        "boto3 upload",
+        "write + boto3 upload",
+        "orbit_pt restore",
+        "boto3 download",
+    )
+    times: dict[str, list[float]] = {name: [] for name in names}
+    server_cpu: dict[str, list[float]] = {name: [] for name in names}
+    client_cpu: dict[str, list[float]] = {name: [] for name in names}
+
+    @contextlib.contextmanager
+    def timed(name: str) -> Iterator[None]:
+        server0, client0, started = _server_cpu(server.pid), _client_cpu(), time.perf_counter()
+        yield
+        times[name].append(time.perf_counter() - started)
+        server_cpu[name].append(_server_cpu(server.pid) - server0)
+        client_cpu[name].append(_client_cpu() - client0)
+
     storage = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
     try:
         # The files boto3 uploads: the ones a save writes (the same bytes, already on disk).
@@ -223,25 +254,39 @@ def main() -> None:
 
             def save() -> None:
                 options = {**storage, "cache_dir": str(mirror)}  # noqa: B023
-                with CheckpointManager(url, storage_options=options) as m:  # noqa: B023
-                    started = time.perf_counter()
+                # Timed inside the manager: opening and closing it are not the save.
+                with (
+                    CheckpointManager(url, storage_options=options) as m,  # noqa: B023
+                    timed("orbit_pt save"),
+                ):
                     m.save(1, {"model": model})
-                    times["orbit_pt save"].append(time.perf_counter() - started)
 
             def upload() -> None:
-                started = time.perf_counter()
-                with ThreadPoolExecutor(max_workers=4) as pool:  # files in parallel, as orbit_pt
+                with timed("boto3 upload"), ThreadPoolExecutor(max_workers=4) as pool:
                     up = _uploader(client, bucket, prefix, step_dir, config)  # noqa: B023
-                    list(pool.map(up, files))
-                times["boto3 upload"].append(time.perf_counter() - started)
+                    list(pool.map(up, files))  # files in parallel, as orbit_pt
+
+            def write_and_upload() -> None:
+                local = work / f"script-{round_}" / "model.safetensors"  # noqa: B023
+                local.parent.mkdir(parents=True)
+                with timed("write + boto3 upload"):
+                    safetensors.torch.save_file(model.state_dict(), str(local))
+                    fd = os.open(local, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    key = f"{prefix}-script/model.safetensors"  # noqa: B023
+                    client.upload_file(str(local), bucket, key, Config=config)
 
             def restore() -> None:
                 fresh = _model(args.size_mb, args.width)
                 other = {**storage, "cache_dir": str(work / f"other-{round_}")}  # noqa: B023
-                with CheckpointManager(url, storage_options=other) as reader:  # noqa: B023
-                    started = time.perf_counter()
+                with (
+                    CheckpointManager(url, storage_options=other) as reader,  # noqa: B023
+                    timed("orbit_pt restore"),
+                ):
                     reader.restore(1, {"model": fresh})
-                    times["orbit_pt restore"].append(time.perf_counter() - started)
                 assert all(
                     torch.equal(a, b)
                     for a, b in zip(fresh.parameters(), model.parameters(), strict=True)
@@ -249,34 +294,40 @@ def main() -> None:
 
             def download() -> None:
                 target = work / f"download-{round_}"  # noqa: B023
-                started = time.perf_counter()
-                with ThreadPoolExecutor(max_workers=4) as pool:
+                with timed("boto3 download"), ThreadPoolExecutor(max_workers=4) as pool:
                     down = _downloader(client, bucket, prefix, step_dir, target, config)  # noqa: B023
                     list(pool.map(down, files))
-                times["boto3 download"].append(time.perf_counter() - started)
 
-            # Alternate which goes first (ABBA), so that neither always meets a warmer server.
-            first = round_ % 2 == 0
-            for run in (save, upload) if first else (upload, save):
+            # Rotate which goes first, so that none always meets a warmer server.
+            uploads = [save, upload, write_and_upload]
+            shift = round_ % len(uploads)
+            for run in uploads[shift:] + uploads[:shift]:
                 run()
+            first = round_ % 2 == 0
             for run in (restore, download) if first else (download, restore):
                 run()
             for folder in work.glob(f"*-{round_}"):
                 shutil.rmtree(folder, ignore_errors=True)
             # The server holds every object in memory: empty it, so rounds stay alike.
             _delete_prefix(client, bucket, url.split("/", 3)[3])
-            _delete_prefix(client, bucket, prefix)
+            _delete_prefix(client, bucket, prefix)  # and the script's, under prefix + "-script"
     finally:
         server.kill()
         shutil.rmtree(work, ignore_errors=True)
     medians = {name: statistics.median(values) for name, values in times.items()}
     tensors = len(list(model.parameters()))
     print(f"state: {size / 1e6:.0f} MB in {tensors} tensors, {args.rounds} rounds, medians")
-    print(f"{'mode':<18} {'seconds':>8} {'MB/s':>8}")
+    print(f"{'mode':<22} {'seconds':>8} {'MB/s':>6} {'server CPU s':>13} {'server cores':>13} "
+          f"{'client CPU s':>13}")  # fmt: skip
     for name, seconds in medians.items():
-        print(f"{name:<18} {seconds:>8.2f} {size / 1e6 / seconds:>8.0f}")
+        server_s = statistics.median(server_cpu[name])
+        client_s = statistics.median(client_cpu[name])
+        print(f"{name:<22} {seconds:>8.2f} {size / 1e6 / seconds:>6.0f} {server_s:>13.2f} "
+              f"{server_s / seconds:>13.2f} {client_s:>13.2f}")  # fmt: skip
     print(
         f"save / boto3 upload time: {medians['orbit_pt save'] / medians['boto3 upload']:.2f}x; "
+        f"save / (write + boto3 upload): "
+        f"{medians['orbit_pt save'] / medians['write + boto3 upload']:.2f}x; "
         f"restore / boto3 download time: "
         f"{medians['orbit_pt restore'] / medians['boto3 download']:.2f}x"
     )

@@ -23,6 +23,7 @@ from orbit_pt._format import remote_files as _remote_files
 from orbit_pt._format import safe_open as _safe_open
 from orbit_pt._format.remote_files import RemoteFile
 from orbit_pt._storage import layout as _layout
+from orbit_pt._storage import verifiers as _verifiers
 from orbit_pt._storage.remote import open_root
 from orbit_pt._storage.store import StepStore
 from orbit_pt.errors import (
@@ -519,7 +520,10 @@ class CheckpointManager:
                 result; :attr:`last_restore` lists them under ``missing``.
             verify: read the restored items' files in full first and check them against the
                 checksums recorded at commit; default ``options.verify_on_restore``. Sizes are
-                always checked.
+                always checked. Under torch.distributed (a writing manager) the large
+                ``.safetensors`` files are split between the ranks, each checked once by one
+                of them, and a failed check on any rank fails the restore on every rank before
+                anything is loaded.
 
         Raises:
             ItemNotFoundError: an item asked for is not in the step (and not ``missing_ok``).
@@ -641,19 +645,50 @@ class CheckpointManager:
         )
         # An object-store step: its small files into the local mirror, before the field checks
         # read the items; the tensors of the handlers that can are read by range while
-        # loading, unless a verify reads every byte anyway (then the files are downloaded).
+        # loading. A verify reads every byte of the files it checks: downloaded whole, they
+        # are split between the ranks when the restore is one agreement (_storage/verifiers.py).
         read = [*targets, *(n for n in fields if n not in targets)]
-        by_range = [] if verify else [n for n in read if _reads_by_range(handlers.get(n))]
-        remote = self._store.fetch(step, meta, read, by_range=by_range)
+        by_range = [n for n in read if _reads_by_range(handlers.get(n))]
+        checked_here: set[str] = set()
+        checked_elsewhere: set[str] = set()
+        if verify:
+            checked_here, checked_elsewhere = self._split_verify(meta, targets, by_range)
+            if not checked_elsewhere:
+                by_range = []  # this rank checks every file: all of them downloaded
+        remote = self._store.fetch(step, meta, read, by_range=by_range, whole=checked_here)
         with _remote_files.reading(remote):
             self._check_fields(step, meta, targets, whole, fields, entries, context)
         self._store.check_files(
-            step, meta, items=read, checksums_of=targets if verify else (), remote=remote
+            step,
+            meta,
+            items=read,
+            checksums_of=targets if verify else (),
+            # A private mirror's copy of such a file is not the one its checker read.
+            checked_elsewhere=set() if self._store.scattered else checked_elsewhere,
+            remote=remote,
         )
         info = RestoreInfo(
             step=step, items=tuple(targets), missing=tuple(missing), excluded=tuple(entries)
         )
         return _RestorePlan(step, meta, targets, handlers, fields, context, info, remote)
+
+    def _split_verify(
+        self, meta: StepMetadata, targets: Mapping[str, Any], by_range: Sequence[str]
+    ) -> tuple[set[str], set[str]]:
+        """The files this rank checks in full for a verifying restore, and those another rank
+        checks (the range-read ``.safetensors`` of the targets, when the restore is one
+        agreement over several ranks; otherwise this rank checks everything itself)."""
+        if not (self._dist.enabled and self._dist.world_size > 1):
+            return set(), set()
+        folders = tuple(f"{name}/" for name in by_range if name in targets)
+        sizes = {
+            rel: f.size
+            for rel, f in meta.files.items()
+            if rel.startswith(folders) and rel.endswith(".safetensors")
+        }
+        owners = _verifiers.assign(sizes, self._dist.world_size)
+        here = {rel for rel, rank in owners.items() if rank == self._dist.rank}
+        return here, set(owners) - here
 
     def _split_exclude(
         self,

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
@@ -353,7 +353,13 @@ class StepStore:
             logger.warning("could not upload %s to %s: %s", name, self.describe(), exc)
 
     def fetch(
-        self, step: int, meta: StepMetadata, items: Iterable[str], *, by_range: Iterable[str]
+        self,
+        step: int,
+        meta: StepMetadata,
+        items: Iterable[str],
+        *,
+        by_range: Iterable[str],
+        whole: Container[str] = (),
     ) -> dict[Path, RemoteFile]:
         """Make the files of ``items`` of an object-store step readable by this restore.
 
@@ -362,8 +368,8 @@ class StepStore:
         range) stay in the store: the returned mapping (mirror path ->
         :class:`~orbit_pt._format.remote_files.RemoteFile`) is what a restore reads them
         through, only the bytes it needs; nothing of them is written into the mirror, so the
-        mirror never holds a partial file. Every other file (small: JSON, msgpack; and all of
-        a verifying restore, which reads every byte) is downloaded whole into the mirror.
+        mirror never holds a partial file. Every other file (small: JSON, msgpack; and the
+        files in ``whole``, which this rank checks in full) is downloaded whole into the mirror.
 
         Safe on several ranks sharing the mirror: each download lands under a name of its own
         and is renamed into place. A local root returns ``{}``.
@@ -381,7 +387,7 @@ class StepStore:
         remote = {
             rel: size
             for rel, size in wanted.items()
-            if rel.startswith(ranged) and rel.endswith(".safetensors")
+            if rel.startswith(ranged) and rel.endswith(".safetensors") and rel not in whole
         }
         whole = sorted(rel for rel in wanted if rel not in remote)
         if whole:
@@ -414,12 +420,15 @@ class StepStore:
         *,
         items: Iterable[str],
         checksums_of: Iterable[str] = (),
+        checked_elsewhere: Container[str] = (),
         remote: Iterable[Path] = (),
     ) -> None:
         """Every file the metadata lists is a regular file with its recorded size.
 
         Files of the items named in ``checksums_of`` are also read in full and checked against
-        their recorded checksums. The first problem raises :class:`CorruptCheckpointError`.
+        their recorded checksums, except those in ``checked_elsewhere`` (another rank checks
+        them in the same agreement, :mod:`orbit_pt._storage.verifiers`). The first problem
+        raises :class:`CorruptCheckpointError`.
         In the mirror of an object-store root only the files of ``items`` (those
         :meth:`fetch` made local) are checked, and not the ``remote`` ones, which are read from
         the store (:meth:`fetch` checked their sizes there).
@@ -436,7 +445,9 @@ class StepStore:
                 if rel.startswith(fetched) and rel not in elsewhere
             }
         for check in _root.check_listed_files(
-            base, files, checksums=lambda rel: rel.startswith(verified)
+            base,
+            files,
+            checksums=lambda rel: rel.startswith(verified) and rel not in checked_elsewhere,
         ):
             if check.problem is not None:
                 raise CorruptCheckpointError(

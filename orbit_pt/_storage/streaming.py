@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orbit_pt._format import direct_io as _direct_io
-from orbit_pt._storage.objects import DEFAULT_PART_SIZE, MAX_PARTS
+from orbit_pt._storage.objects import MAX_PARTS
 from orbit_pt.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -40,8 +40,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PART_SIZE = DEFAULT_PART_SIZE
-"""The parts of streamed files; files of at most one part are uploaded whole at the commit."""
+PART_SIZE = 8 * 2**20
+"""The parts of streamed files; files of at most one part are uploaded whole at the commit.
+
+8 MiB (boto3's default, in AWS's recommended 8-16 MiB), not the store's 16 MiB: on the loopback
+server a 268 MB save took 1.90 s in 8 MiB parts against 2.55 s in 16 MiB ones (the server spent
+2.09 against 2.64 CPU-seconds on the same bytes; boto3's upload 1.83 s), and the part buffers
+(``max_concurrency + 2`` of them) hold half the memory. Files up to 10,000 parts (78 GiB)
+stream; larger ones are uploaded at the commit."""
 
 
 class PartBuffers:
