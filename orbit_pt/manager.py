@@ -655,7 +655,7 @@ class CheckpointManager:
             checked_here, checked_elsewhere = self._split_verify(meta, targets, by_range)
             if not checked_elsewhere:
                 by_range = []  # this rank checks every file: all of them downloaded
-        remote = self._store.fetch(step, meta, read, by_range=by_range, whole=checked_here)
+        remote = self._store.fetch(step, meta, read, by_range=by_range, checked_here=checked_here)
         with _remote_files.reading(remote):
             self._check_fields(step, meta, targets, whole, fields, entries, context)
         self._store.check_files(

@@ -359,7 +359,7 @@ class StepStore:
         items: Iterable[str],
         *,
         by_range: Iterable[str],
-        whole: Container[str] = (),
+        checked_here: Container[str] = (),
     ) -> dict[Path, RemoteFile]:
         """Make the files of ``items`` of an object-store step readable by this restore.
 
@@ -368,8 +368,9 @@ class StepStore:
         range) stay in the store: the returned mapping (mirror path ->
         :class:`~orbit_pt._format.remote_files.RemoteFile`) is what a restore reads them
         through, only the bytes it needs; nothing of them is written into the mirror, so the
-        mirror never holds a partial file. Every other file (small: JSON, msgpack; and the
-        files in ``whole``, which this rank checks in full) is downloaded whole into the mirror.
+        mirror never holds a partial file. Every other file (small: JSON, msgpack; and those
+        in ``checked_here``, which this rank checks in full) is downloaded whole into the
+        mirror.
 
         Safe on several ranks sharing the mirror: each download lands under a name of its own
         and is renamed into place. A local root returns ``{}``.
@@ -387,7 +388,7 @@ class StepStore:
         remote = {
             rel: size
             for rel, size in wanted.items()
-            if rel.startswith(ranged) and rel.endswith(".safetensors") and rel not in whole
+            if rel.startswith(ranged) and rel.endswith(".safetensors") and rel not in checked_here
         }
         whole = sorted(rel for rel in wanted if rel not in remote)
         if whole:
