@@ -146,8 +146,11 @@ def _restore_fails(
     assert not optimizer.state
 
 
-def _tensor_files(root: Path) -> dict[str, int]:
-    with CheckpointManager(root, options=CheckpointManagerOptions(read_only=True)) as mgr:
+def _tensor_files(
+    root: Path | str, storage_options: dict[str, Any] | None = None
+) -> dict[str, int]:
+    read_only = CheckpointManagerOptions(read_only=True)
+    with CheckpointManager(root, options=read_only, storage_options=storage_options) as mgr:
         files = mgr.metadata(STEP).files
     return {rel: f.size for rel, f in files.items() if rel.endswith(".safetensors")}
 
@@ -202,14 +205,7 @@ def test_two_machines_download_each_tensor_file_once_to_verify_it(
     server = s3_root.server
     saved = {**server.storage_options, "cache_dir": str(tmp_path / "save-mirror")}
     run_ranks(2, _save, s3_root.url, saved, want, timeout=240)
-    with CheckpointManager(
-        s3_root.url, options=CheckpointManagerOptions(read_only=True), storage_options=saved
-    ) as mgr:
-        files = {
-            rel: f.size
-            for rel, f in mgr.metadata(STEP).files.items()
-            if rel.endswith(".safetensors")
-        }
+    files = _tensor_files(s3_root.url, saved)
     proxies = [FaultProxy(server) for _ in range(2)]
     try:
         # Two machines: a proxy and an empty mirror each (not shared: each rank its own).
@@ -240,3 +236,58 @@ def test_two_machines_download_each_tensor_file_once_to_verify_it(
     finally:
         for proxy in proxies:
             proxy.close()
+
+
+def _restore_alone(root: str, options: dict[str, Any]) -> None:
+    """One process (read-only: it checks every file itself) fills ``options``' mirror."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(3)])
+    read_only = CheckpointManagerOptions(read_only=True)
+    with CheckpointManager(
+        root, options=read_only, handlers=_handlers(), storage_options=options
+    ) as mgr:
+        mgr.restore(STEP, {"model": model}, verify=True)
+
+
+def _restore_model_fails(
+    rank: int, world_size: int, root: str, options: list[dict[str, Any]], bad: str, bad_rank: int
+) -> None:
+    model = _model(5)
+    before = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    with (
+        CheckpointManager(root, handlers=_handlers(), storage_options=options[rank]) as mgr,
+        pytest.raises(CheckpointError) as raised,
+    ):
+        mgr.restore(STEP, {"model": model}, verify=True)
+    message = str(raised.value)
+    assert bad.split("/")[-1] in message, message
+    if rank == bad_rank:
+        assert isinstance(raised.value, CorruptCheckpointError), repr(raised.value)
+    else:
+        assert f"rank(s) [{bad_rank}]" in message, message
+    for name, value in model.state_dict().items():
+        assert torch.equal(value.full_tensor(), before[name]), name
+
+
+@pytest.mark.distributed
+def test_a_machine_checks_its_own_mirror_copy_of_a_file_another_rank_checks(
+    s3_root: Any, tmp_path: Path
+) -> None:
+    """Mirrors not shared: rank 1's local copy of a file rank 0 checks is not the bytes rank 0
+    read, so rank 1 checks it too; a copy damaged on rank 1's disk fails the restore."""
+    want = str(tmp_path / "want.safetensors")
+    server = s3_root.server
+    saved = {**server.storage_options, "cache_dir": str(tmp_path / "save-mirror")}
+    run_ranks(2, _save, s3_root.url, saved, want, timeout=240)
+    options = [
+        {**server.storage_options, "cache_dir": str(tmp_path / f"machine-{r}")} for r in range(2)
+    ]
+    _restore_alone(s3_root.url, options[1])  # machine 1's mirror now holds every model file
+    files = {r: n for r, n in _tensor_files(s3_root.url, saved).items() if r.startswith("model/")}
+    owners = verifiers.assign(files, 2)  # the files of the items restored: the model's
+    bad = next(rel for rel in sorted(files) if owners[rel] == 0)
+    copy = tmp_path / "machine-1" / f"step_{STEP:08d}" / bad
+    data = bytearray(copy.read_bytes())
+    data[-1] ^= 0x01  # same size: only a checksum sees it; the store's object is intact
+    copy.chmod(0o644)
+    copy.write_bytes(bytes(data))
+    run_ranks(2, _restore_model_fails, s3_root.url, options, bad, 1, timeout=240)
