@@ -363,6 +363,41 @@ def test_a_part_that_keeps_failing_fails_the_upload_and_aborts_it(
     assert store.abort_multipart_uploads(prefix + "/") == 0  # aborted on the way out
 
 
+def test_an_abort_the_server_fails_is_repeated_until_the_upload_is_gone(
+    s3_faults: tuple[FaultProxy, S3Root], opened: Callable[..., Any], tmp_path: Path
+) -> None:
+    # The CI run that found this: moto answered 500 to an abort that raced a part in flight,
+    # and the upload stayed open (its parts billed) after the failed save.
+    proxy, root = s3_faults
+    store, prefix = opened(root.url, root.storage_options, retry=FAST)
+    (tmp_path / "source").write_bytes(payload(2 * PART))
+    proxy.fail("error", 1000, method="PUT", query="partNumber", status=503)
+    proxy.fail("error", FAST.max_attempts + 1, method="DELETE", query="uploadId")
+    with pytest.raises(ObjectStoreError, match="upload part"):
+        store.put_file(f"{prefix}/big", tmp_path / "source", part_size=PART)
+    aborts = [r for r in proxy.requests if r[0] == "DELETE" and "uploadId" in r[1]]
+    assert len(aborts) == FAST.max_attempts + 2  # one round failed in full, the next went through
+    proxy.clear()
+    assert store.abort_multipart_uploads(prefix + "/") == 0  # nothing left open
+
+
+def test_a_streamed_upload_aborted_with_parts_in_flight_leaves_nothing(
+    s3_faults: tuple[FaultProxy, S3Root], opened: Callable[..., Any]
+) -> None:
+    proxy, root = s3_faults
+    store, prefix = opened(root.url, root.storage_options, retry=FAST)
+    proxy.fail("error", 1, method="DELETE", query="uploadId")
+    data = payload(3 * PART)
+    for _ in range(3):
+        upload = store.open_upload(f"{prefix}/streamed")
+        for number in (1, 2, 3):
+            chunk = data[(number - 1) * PART : number * PART]
+            upload.send(number, lambda chunk=chunk: chunk)
+        upload.abort()  # while the parts are being sent
+    assert store.head(f"{prefix}/streamed") is None
+    assert store.abort_multipart_uploads(prefix + "/") == 0
+
+
 def test_a_4xx_is_not_retried(
     s3_faults: tuple[FaultProxy, S3Root], opened: Callable[..., Any]
 ) -> None:

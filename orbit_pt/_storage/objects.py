@@ -50,6 +50,7 @@ _DELETE_BATCH = 1000  # S3's limit per DeleteObjects request
 _LIST_PAGE = 1000  # S3's largest listing page
 _COPY_OBJECT_LIMIT = 5 * 2**30  # S3's largest CopyObject; larger objects are copied in parts
 _COPY_PART_SIZE = 512 * MiB
+_ABORT_ROUNDS = 4  # aborts of one upload before leaving it to the next writer's cleanup
 
 SCHEMES = ("s3",)
 _URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<bucket>[^/?#]*)(?P<prefix>/[^?#]*)?")
@@ -604,11 +605,44 @@ class S3fsStore:
             await self._complete_and_check(key, upload_id, parts, condition, size)
         except BaseException:
             with contextlib.suppress(Exception):
-                await self._call("abort_multipart_upload", Key=key, UploadId=upload_id)
+                await self._abort_one(key, upload_id)
             raise
 
     async def _abort_one(self, key: str, upload_id: str) -> None:
-        await self._call("abort_multipart_upload", Key=key, UploadId=upload_id)
+        """Abort an upload, and repeat until the store says it no longer exists.
+
+        S3 may keep a part that was in flight during the abort ("it might be necessary to abort
+        a given multipart upload multiple times", AbortMultipartUpload's documentation), and a
+        server may fail the abort itself (moto answers 500 when a part lands meanwhile). An
+        upload left open keeps its parts' bytes billed until the next writer's cleanup.
+        """
+        for round_ in range(1, _ABORT_ROUNDS + 1):
+            try:
+                await self._attempt(
+                    "abort a multipart upload of",
+                    key,
+                    functools.partial(
+                        self._call, "abort_multipart_upload", Key=key, UploadId=upload_id
+                    ),
+                )
+            except ObjectStoreError as exc:
+                if "NoSuchUpload" not in exc.reason:  # else: completed or aborted meanwhile
+                    logger.info("abort of %s failed, checking: %s", self.url(key), exc.reason)
+            try:
+                await self._call("list_parts", Key=key, UploadId=upload_id, MaxParts=1)
+            except Exception as exc:
+                if "NoSuchUpload" in _classify(exc)[1]:
+                    return  # gone
+                logger.info("cannot list the parts of %s: %s", self.url(key), exc)
+            await asyncio.sleep(self.retry.backoff(round_, random.uniform))
+        raise ObjectStoreError(
+            "abort a multipart upload of",
+            self.url(key),
+            f"the upload {upload_id} still exists after {_ABORT_ROUNDS} aborts; the next writer "
+            "on this root aborts it, or a bucket lifecycle rule (AbortIncompleteMultipartUpload) "
+            "does",
+            _ABORT_ROUNDS,
+        )
 
     async def _start_upload(self, key: str) -> str:
         created = await self._attempt(
@@ -842,7 +876,7 @@ class S3fsStore:
             await self._complete(target, upload_id, parts, {})
         except BaseException:
             with contextlib.suppress(Exception):
-                await self._call("abort_multipart_upload", Key=target, UploadId=upload_id)
+                await self._abort_one(target, upload_id)
             raise
 
     async def _delete(self, keys: builtins.list[str]) -> None:
@@ -883,20 +917,7 @@ class S3fsStore:
                 "UploadIdMarker": answer["NextUploadIdMarker"],
             }
 
-        async def abort(key: str, upload_id: str) -> None:
-            try:
-                await self._attempt(
-                    "abort a multipart upload of",
-                    key,
-                    functools.partial(
-                        self._call, "abort_multipart_upload", Key=key, UploadId=upload_id
-                    ),
-                )
-            except ObjectStoreError as exc:
-                if "NoSuchUpload" not in exc.reason:  # completed or aborted meanwhile
-                    raise
-
-        await _all(abort(key, upload_id) for key, upload_id in uploads)
+        await _all(self._abort_one(key, upload_id) for key, upload_id in uploads)
         return len(uploads)
 
 
