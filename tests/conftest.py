@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
-pytest_plugins = ["_s3"]  # the loopback S3 server and its fault proxy (tests/_s3.py)
+pytest_plugins = ["_s3", "_roots"]  # the loopback S3 server (tests/_s3.py); `where` (_roots.py)
 
 # database=None: no .hypothesis/ folder written into the current directory.
 settings.register_profile(

@@ -4,6 +4,10 @@ Tables of expected outcomes (the issue's examples exactly, then every option, co
 restarts and rollbacks), a hypothesis state machine that checks the manager against a small
 reference model of the rules after every operation, and crash tests that kill a child process
 in the middle of a retention delete. Time comes from a fake clock: no sleeps.
+
+The tests that take ``where`` run twice: on a local folder and on an ``s3://`` prefix of the
+loopback S3 server (tests/_roots.py), where the kept steps are also checked in the store itself
+and through a reader with an empty mirror.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _roots import RootUnderTest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -137,18 +142,23 @@ def step_folders(steps: Iterable[int]) -> set[str]:
         ({}, range(6), [0, 1, 2, 3, 4, 5]),  # no retention option: keep everything
     ],
 )
-def test_kept_steps(tmp_path: Path, options: dict[str, Any], steps: range, kept: list[int]) -> None:
-    with open_manager(tmp_path, **options) as mgr:
+def test_kept_steps(
+    where: RootUnderTest, options: dict[str, Any], steps: range, kept: list[int]
+) -> None:
+    with where.open(**options) as mgr:
         save_all(mgr, steps)
         assert mgr.all_steps() == kept
         assert mgr.latest_step() == kept[-1]
         assert_restores(mgr)
-    assert entries(tmp_path) == step_folders(kept) | {".orbit.lock"}
+    assert where.entries() == step_folders(kept)
+    with where.reader() as reader:  # on S3: what the store holds, read with an empty mirror
+        assert reader.all_steps() == kept
+        assert_restores(reader)
 
 
-def test_keep_last_n_after_every_save(tmp_path: Path) -> None:
+def test_keep_last_n_after_every_save(where: RootUnderTest) -> None:
     history = []
-    with open_manager(tmp_path, keep_last_n=2) as mgr:
+    with where.open(keep_last_n=2) as mgr:
         for step in range(5):
             mgr.save(step, item(step))
             history.append(mgr.all_steps())
@@ -237,15 +247,15 @@ def loss(step: int) -> dict[str, float]:
     return {"loss": LOSSES[step]}
 
 
-def test_best_n_survives_a_restart(tmp_path: Path) -> None:
+def test_best_n_survives_a_restart(where: RootUnderTest) -> None:
     options: dict[str, Any] = {"keep_best_n": 2, "best_metric": "loss"}
-    with open_manager(tmp_path, **options) as mgr:
+    with where.open(**options) as mgr:
         for step in range(3):
             mgr.save(step, item(step), metrics=loss(step))
         assert mgr.all_steps() == [1, 2]  # best two: 1 (3.0), 2 (4.0)
         assert mgr.best_step() == 1
 
-    with open_manager(tmp_path, **options) as mgr:
+    with where.open(**options) as mgr:
         # metrics come back from each step's metadata
         assert mgr.best_step() == 1
         assert mgr.metadata(1).metrics == {"loss": 3.0}
@@ -258,6 +268,9 @@ def test_best_n_survives_a_restart(tmp_path: Path) -> None:
         assert history == [[1, 3], [1, 3, 4], [3, 5]]
         assert mgr.best_step() == 3
         assert_restores(mgr)
+    with where.reader(**options) as reader:
+        assert reader.all_steps() == [3, 5]
+        assert reader.best_step() == 3
 
 
 def test_best_n_max_mode_across_restart(tmp_path: Path) -> None:
@@ -274,9 +287,9 @@ def test_best_n_max_mode_across_restart(tmp_path: Path) -> None:
         assert mgr.best_step() == 4
 
 
-def test_best_n_keeps_the_latest_even_when_it_is_the_worst(tmp_path: Path) -> None:
+def test_best_n_keeps_the_latest_even_when_it_is_the_worst(where: RootUnderTest) -> None:
     # Orbax's best_fn and HF's save_total_limit + best could delete the newest step.
-    with open_manager(tmp_path, keep_best_n=1, best_metric="loss") as mgr:
+    with where.open(keep_best_n=1, best_metric="loss") as mgr:
         mgr.save(0, item(0), metrics={"loss": 1.0})
         mgr.save(1, item(1), metrics={"loss": 0.5})
         mgr.save(2, item(2), metrics={"loss": 3.0})
@@ -421,17 +434,17 @@ def test_keep_time_interval_with_a_fake_clock(tmp_path: Path) -> None:
         assert mgr.all_steps() == [0, 4, 8, 10]
 
 
-def test_keep_time_interval_across_restart_and_with_keep_last_n(tmp_path: Path) -> None:
+def test_keep_time_interval_across_restart_and_with_keep_last_n(where: RootUnderTest) -> None:
     clock = FakeClock(start=0.0)
     options: dict[str, Any] = {
         "keep_time_interval": datetime.timedelta(minutes=1),
         "keep_last_n": 2,
     }
-    with open_manager(tmp_path, clock=clock, **options) as mgr:
+    with where.open(clock=clock, **options) as mgr:
         save_all(mgr, range(0, 500, 100), clock=clock, seconds_per_step=25.0)  # t=25..125
         assert mgr.all_steps() == [0, 300, 400]  # 0 at t=25; 300 at t=100 (>= 85)
     clock.advance(3600.0)  # the job was down for an hour
-    with open_manager(tmp_path, clock=clock, **options) as mgr:
+    with where.open(clock=clock, **options) as mgr:
         save_all(mgr, range(500, 800, 100), clock=clock, seconds_per_step=25.0)
         # 500 at t=3750 is >= 60 s after 300: kept by the interval; 600, 700 are the last two
         assert mgr.all_steps() == [0, 300, 500, 600, 700]
@@ -440,31 +453,35 @@ def test_keep_time_interval_across_restart_and_with_keep_last_n(tmp_path: Path) 
 # ------------------------------------------------------------------------- latest, rollbacks
 
 
-def test_latest_is_kept_when_no_policy_wants_it(tmp_path: Path) -> None:
-    with open_manager(tmp_path, retention=KeepSteps([0])) as mgr:
+def test_latest_is_kept_when_no_policy_wants_it(where: RootUnderTest) -> None:
+    with where.open(retention=KeepSteps([0])) as mgr:
         for step in range(4):
             mgr.save(step, item(step))
             assert mgr.all_steps() == sorted({0, step})
 
 
-def test_rollback_makes_an_old_step_latest_and_it_is_kept(tmp_path: Path) -> None:
+def test_rollback_makes_an_old_step_latest_and_it_is_kept(where: RootUnderTest) -> None:
     # torchtitan's keep-latest-k deleted the checkpoint it had just written after a rollback.
-    with open_manager(tmp_path, keep_every_k_steps=5) as mgr:
+    with where.open(keep_every_k_steps=5) as mgr:
         save_all(mgr, range(8))
         assert mgr.all_steps() == [0, 5, 7]
         assert mgr.save(3, item(3))  # resumed from an older step: 5 and 7 are superseded
         assert mgr.all_steps() == [0, 3]
         assert mgr.latest_step() == 3
         assert mgr.restore() == {"x": {"v": 3}}
-        superseded = sorted(entries(tmp_path / "superseded"))
+        superseded = sorted(where.entries("superseded"))
         assert [name.split(".")[0] for name in superseded] == ["step_00000005", "step_00000007"]
         save_all(mgr, range(4, 7))
         assert mgr.all_steps() == [0, 5, 6]
-        assert sorted(entries(tmp_path / "superseded")) == superseded  # untouched
+        assert sorted(where.entries("superseded")) == superseded  # untouched
+    assert where.entries() == step_folders([0, 5, 6]) | {"superseded"}
+    with where.reader() as reader:
+        assert reader.all_steps() == [0, 5, 6]
+        assert_restores(reader)
 
 
-def test_rollback_with_keep_last_n(tmp_path: Path) -> None:
-    with open_manager(tmp_path, keep_last_n=2) as mgr:
+def test_rollback_with_keep_last_n(where: RootUnderTest) -> None:
+    with where.open(keep_last_n=2) as mgr:
         save_all(mgr, range(6))
         assert mgr.all_steps() == [4, 5]
         mgr.save(2, item(2))
@@ -473,18 +490,22 @@ def test_rollback_with_keep_last_n(tmp_path: Path) -> None:
         assert mgr.all_steps() == [2, 3]
         mgr.save(3, item(3))  # the same step again: the old copy is superseded
         assert mgr.all_steps() == [2, 3]
-        assert len(entries(tmp_path / "superseded")) == 3
+        assert len(where.entries("superseded")) == 3
         assert_restores(mgr)
+    with where.reader() as reader:
+        assert reader.all_steps() == [2, 3]
+        assert_restores(reader)
 
 
-def test_user_delete_of_the_latest_then_retention(tmp_path: Path) -> None:
-    with open_manager(tmp_path, keep_every_k_steps=4) as mgr:
+def test_user_delete_of_the_latest_then_retention(where: RootUnderTest) -> None:
+    with where.open(keep_every_k_steps=4) as mgr:
         save_all(mgr, range(7))
         assert mgr.all_steps() == [0, 4, 6]
         mgr.delete(6)
         assert mgr.latest_step() == 4
         mgr.save(5, item(5))
         assert mgr.all_steps() == [0, 4, 5]
+    assert where.entries() == step_folders([0, 4, 5])
 
 
 # ------------------------------------------------------------------------------------- general
@@ -496,44 +517,46 @@ def test_no_retention_option_keeps_everything(tmp_path: Path) -> None:
         assert mgr.all_steps() == list(range(25))
 
 
-def test_retention_runs_after_each_save_not_at_open(tmp_path: Path) -> None:
-    with open_manager(tmp_path) as mgr:
+def test_retention_runs_after_each_save_not_at_open(where: RootUnderTest) -> None:
+    with where.open() as mgr:
         save_all(mgr, range(6))
-    with open_manager(tmp_path, keep_last_n=2) as mgr:
+    with where.open(keep_last_n=2) as mgr:
         assert mgr.all_steps() == [0, 1, 2, 3, 4, 5]  # opening deletes nothing
         mgr.save(6, item(6))
         assert mgr.all_steps() == [5, 6]
 
 
-def test_a_failed_save_deletes_nothing(tmp_path: Path) -> None:
-    with open_manager(tmp_path, keep_last_n=1) as mgr:
+def test_a_failed_save_deletes_nothing(where: RootUnderTest) -> None:
+    with where.open(keep_last_n=1) as mgr:
         save_all(mgr, range(3))
         with pytest.raises(Exception):  # noqa: B017, PT011 -- whichever error the handler raises
             mgr.save(3, {"x": {"v": object()}})
         assert mgr.all_steps() == [2]
         assert_restores(mgr)
-    assert entries(tmp_path) == {"step_00000002", ".orbit.lock"}
+    assert where.entries() == {"step_00000002"}
+    if where.kind == "local":
+        assert (where.path / ".orbit.lock").is_file()
 
 
 @dataclass
 class Spy:
-    """A retention policy that records, at each call, what was committed on disk."""
+    """A retention policy that records, at each call, whether the newest step was committed
+    in the root (on S3: its marker in the store)."""
 
-    root: Path
+    root: RootUnderTest
     inner: KeepLastN
     calls: list[tuple[list[int], bool]] = field(default_factory=list)
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         newest = max(c.step for c in checkpoints)
-        committed = (self.root / f"step_{newest:08d}" / "_CHECKPOINT_METADATA").is_file()
-        self.calls.append(([c.step for c in checkpoints], committed))
+        self.calls.append(([c.step for c in checkpoints], self.root.is_committed(newest)))
         return self.inner.keep(checkpoints)
 
 
 @pytest.mark.parametrize("async_save", [False, True])
-def test_retention_runs_only_after_the_commit(tmp_path: Path, async_save: bool) -> None:
-    spy = Spy(tmp_path, KeepLastN(2))
-    with open_manager(tmp_path, retention=spy, async_save=async_save) as mgr:
+def test_retention_runs_only_after_the_commit(where: RootUnderTest, async_save: bool) -> None:
+    spy = Spy(where, KeepLastN(2))
+    with where.open(retention=spy, async_save=async_save) as mgr:
         for step in range(5):
             mgr.save(step, item(step))
             mgr.wait_until_finished()
@@ -544,7 +567,7 @@ def test_retention_runs_only_after_the_commit(tmp_path: Path, async_save: bool) 
     assert len(spy.calls) == 5
 
 
-def test_custom_retention_objects(tmp_path: Path) -> None:
+def test_custom_retention_objects(where: RootUnderTest) -> None:
     class KeepLowLossOrOdd:
         """Keeps odd steps and any step with loss < 1 (reads metrics, no I/O)."""
 
@@ -553,10 +576,10 @@ def test_custom_retention_objects(tmp_path: Path) -> None:
 
     metrics = {s: {"loss": 0.5 if s == 4 else 2.0} for s in range(10)}
     options: dict[str, Any] = {"retention": [KeepLowLossOrOdd(), KeepSteps([0])], "keep_last_n": 1}
-    with open_manager(tmp_path, **options) as mgr:
+    with where.open(**options) as mgr:
         save_all(mgr, range(10), metrics)
         assert mgr.all_steps() == [0, 1, 3, 4, 5, 7, 9]
-    with open_manager(tmp_path, **options) as mgr:
+    with where.open(**options) as mgr:
         mgr.save(10, item(10))
         assert mgr.all_steps() == [0, 1, 3, 4, 5, 7, 9, 10]
         mgr.save(12, item(12))
