@@ -6,8 +6,9 @@ Saves the same ~0.1 GB state (``bench.build_state``: a transformer-like model an
 state) in turn, each round: ``safetensors.torch.save_file`` + fsync (the peer), orbit_pt
 without retention, orbit_pt with ``keep_last_n=1`` (every save deletes the previous step, its
 files removed on a thread of their own), and the same with the deletion on the save's path
-(as before 0.2), for comparison. Medians and ratios to the peer; machines are noisy, so only
-ratios within one run mean anything.
+(as before 0.2), and with whole 16 MiB fills of the O_DIRECT bounce buffers (as before the
+fills followed the range's size), for comparison. Medians and ratios to the peer; machines are
+noisy, so only ratios within one run mean anything.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import bench
 import safetensors.torch
 
 from orbit_pt import CheckpointManager, CheckpointManagerOptions
+from orbit_pt._format import direct_io
 from orbit_pt._storage import store
 
 
@@ -48,7 +50,9 @@ def main() -> None:
         "orbit_pt, no retention": CheckpointManager(base / "plain", options=plain),
         "orbit_pt, keep_last_n=1": CheckpointManager(base / "keep", options=keep),
         "keep_last_n=1, deletion on the save path": CheckpointManager(base / "sync", options=keep),
+        "keep_last_n=1, 16 MiB fills": CheckpointManager(base / "fills", options=keep),
     }
+    adaptive_fill = direct_io._MIN_FILL
     times: dict[str, list[float]] = {"save_file + fsync": []}
     try:
         for step in range(args.rounds):
@@ -60,11 +64,13 @@ def main() -> None:
             peer.unlink()
             for name, mgr in managers.items():
                 store.StepStore._delete_one = on_the_save_path if "path" in name else background  # type: ignore[method-assign]
+                direct_io._MIN_FILL = direct_io._BUFFER_BYTES if "fills" in name else adaptive_fill
                 started = time.perf_counter()
                 mgr.save(step, items)
                 times.setdefault(name, []).append(time.perf_counter() - started)
     finally:
         store.StepStore._delete_one = background  # type: ignore[method-assign]
+        direct_io._MIN_FILL = adaptive_fill
         for mgr in managers.values():
             mgr.close()
         shutil.rmtree(base, ignore_errors=True)

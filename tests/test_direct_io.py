@@ -329,6 +329,42 @@ def test_direct_writes_follow_a_64k_alignment(
     assert all(at % 65536 == 0 and n % 65536 == 0 for at, n in calls), calls
 
 
+@pytest.mark.parametrize(
+    ("size", "fill"),
+    [
+        (0, 4 * MB),
+        (20 * MB, 4 * MB),  # small ranges: the smallest fill
+        (40 * MB, 5 * MB),  # an eighth, in whole MiB
+        (47 * MB, 5 * MB),
+        (128 * MB, 16 * MB),
+        (1 << 34, 16 * MB),  # large ranges: a whole bounce buffer
+    ],
+)
+def test_a_range_fills_its_bounce_buffers_with_an_eighth_of_its_bytes(size: int, fill: int) -> None:
+    assert _direct_io.fill_bytes(size) == fill
+    assert fill % _direct_io._MAX_ALIGN == 0  # so every full buffer stays aligned
+
+
+@pytest.mark.parametrize(("size", "fill"), [(19 * MB, 4 * MB), (40 * MB + 3, 5 * MB)])
+def test_direct_writes_are_fills_of_the_bounce_buffers(
+    direct_disk: Path, monkeypatch: pytest.MonkeyPatch, size: int, fill: int
+) -> None:
+    """A small state's ranges are written in small fills (the disk starts sooner and its
+    queue drains faster at the end); the bytes are the same."""
+    calls = _patch_direct_pwrite(monkeypatch)
+    expected = _pattern(size)
+    path = direct_disk / "f"
+    path.write_bytes(b"\0" * size)
+    probe = RangeWriter(path)
+    probe.close()
+    _write(path, 0, expected)
+    assert path.read_bytes() == expected
+    lengths = sorted(n for _, n in calls)
+    assert lengths[-1] == fill
+    # Every aligned byte went through the bounce buffers; only the unaligned tail did not.
+    assert sum(lengths) == size // probe.alignment * probe.alignment
+
+
 @pytest.mark.parametrize("after", [0, 1])
 def test_einval_from_o_direct_falls_back_to_buffered_writes(
     direct_disk: Path,

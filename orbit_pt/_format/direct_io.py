@@ -41,10 +41,24 @@ logger = logging.getLogger(__name__)
 _BUFFER_BYTES = 16 << 20
 _BUFFERS = 4
 _WRITERS = 2
+# A range fills each bounce buffer with about an eighth of its bytes, between these bounds
+# (a multiple of _MAX_ALIGN, so every full fill stays aligned). The disk idles while the first
+# fill is copied and gets one write at a time while the last ones drain, and both cost the
+# time of one fill: 16 MiB fills made a 0.09 GB state's save 1.15x safetensors' save_file +
+# fsync, 4 MiB fills 0.96-1.03x, while 16 MiB fills stay the fastest for GB-sized files
+# (benchmarks/small_state.py, docs/performance.md).
+_MIN_FILL = 4 << 20
 # Ranges smaller than this are not worth the bounce buffers.
 _DIRECT_MIN = 4 << 20
 # A power of two, so it divides _BUFFER_BYTES: every full bounce buffer stays aligned.
 _MAX_ALIGN = 1 << 20
+
+
+def fill_bytes(size: int) -> int:
+    """How many bytes of each bounce buffer a direct write of ``size`` bytes fills."""
+    eighth = size // 8 // _MAX_ALIGN * _MAX_ALIGN
+    return max(_MIN_FILL, min(_BUFFER_BYTES, eighth))
+
 
 _refusal_lock = threading.Lock()
 _refusal_logged = False
@@ -158,7 +172,7 @@ class RangeWriter:
         head = (-offset) % self.alignment
         body = (size - head) // self.alignment * self.alignment
         self._pwrite(offset, stream.take(head), checksum)
-        self._write_direct(offset + head, stream.take(body), checksum)
+        self._write_direct(offset + head, body, stream.take(body), checksum)
         self._pwrite(offset + head + body, stream.take(size - head - body), checksum)
 
     def _pwrite(self, offset: int, chunks: Iterator[memoryview], checksum: Hasher | None) -> None:
@@ -172,15 +186,17 @@ class RangeWriter:
             _progress.advance(len(chunk))
 
     def _write_direct(
-        self, offset: int, chunks: Iterator[memoryview], checksum: Hasher | None
+        self, offset: int, size: int, chunks: Iterator[memoryview], checksum: Hasher | None
     ) -> None:
-        """Write ``chunks`` (a multiple of the alignment in all) at the aligned ``offset``.
+        """Write ``chunks`` (``size`` bytes, a multiple of the alignment) at the aligned
+        ``offset``.
 
         This thread copies the bytes into bounce buffers while writer threads write full ones.
         Every buffer goes back to the process-wide pool whatever fails, or later writes would
         wait for it forever.
         """
         free = _BouncePool.get()
+        fill = fill_bytes(size)
         jobs: queue.Queue[tuple[mmap.mmap, int, int] | None] = queue.Queue()
         errors: list[BaseException] = []
         stop = threading.Event()  # the range failed: skip the buffers still queued
@@ -218,7 +234,7 @@ class RangeWriter:
                 if checksum is not None:
                     checksum.update(chunk)
                 while len(chunk) and not stop.is_set():
-                    n = min(len(chunk), _BUFFER_BYTES - filled)
+                    n = min(len(chunk), fill - filled)
                     source = address_of(chunk)
                     if source is not None:
                         ctypes.memmove(base + filled, source, n)  # releases the GIL
@@ -226,7 +242,7 @@ class RangeWriter:
                         held[filled : filled + n] = chunk[:n]
                     filled += n
                     chunk = chunk[n:]
-                    if filled == _BUFFER_BYTES:
+                    if filled == fill:
                         full, held = held, None
                         jobs.put((full, position, filled))
                         position += filled
