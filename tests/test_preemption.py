@@ -9,10 +9,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from _distributed import gather, run_ranks
+from _roots import RootUnderTest
 
 from orbit_pt import CheckpointError, CheckpointManager, CheckpointManagerOptions
 from orbit_pt._control.collective import InFlightAny
@@ -88,17 +90,26 @@ def test_preemption_flag_and_handler_chaining(tmp_path: Path) -> None:
         signal.signal(signal.SIGUSR1, previous)
 
 
-def test_preemption_save_is_synchronous_even_with_async(tmp_path: Path) -> None:
-    options = CheckpointManagerOptions(
-        save_interval_steps=100, async_save=True, preemption_signals=(signal.SIGUSR2,)
-    )
-    with CheckpointManager(tmp_path, options=options) as mgr:
+def test_preemption_save_is_synchronous_even_with_async(where: RootUnderTest) -> None:
+    options: dict[str, Any] = {
+        "save_interval_steps": 5,
+        "async_save": True,
+        "preemption_signals": (signal.SIGUSR2,),
+    }
+    with where.open(**options) as mgr:
+        assert mgr.save(5, {"x": {"v": 5}})  # an async save, perhaps still in flight
         os.kill(os.getpid(), signal.SIGUSR2)
         assert mgr.should_save(7)
         mgr.save(7, {"x": {"v": 7}})
-        # No wait_until_finished(): the step must already be committed.
-        assert mgr.all_steps() == [7]
-        assert (tmp_path / "step_00000007" / "_CHECKPOINT_METADATA").exists()
+        # No wait_until_finished(): the step must already be committed (on S3: its marker in
+        # the store, not only in the mirror), after the async save before it.
+        assert where.is_committed(7)
+        assert where.is_committed(5)
+        assert mgr.all_steps() == [5, 7]
+        assert mgr.reached_preemption(8)
+    with where.reader() as reader:
+        assert reader.all_steps() == [5, 7]
+        assert reader.restore(7) == {"x": {"v": 7}}
 
 
 # ------------------------------------------------------------ the per-step check on gloo ranks
@@ -107,7 +118,14 @@ SIGNAL_STEP = 9
 STEPS = range(0, 60, 3)  # step numbers may jump: the check counts calls, not steps
 
 
-def _sigterm_to_rank_1(rank: int, world_size: int, root: str, where: str, acted_on: int) -> None:
+def _sigterm_to_rank_1(
+    rank: int,
+    world_size: int,
+    root: str,
+    where: str,
+    acted_on: int,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
     options = CheckpointManagerOptions(save_interval_steps=1000, async_save=True)  # SIGTERM
 
     def signal_if(point: str, step: int) -> None:
@@ -115,7 +133,7 @@ def _sigterm_to_rank_1(rank: int, world_size: int, root: str, where: str, acted_
             os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice, to this rank alone
 
     saved: list[int] = []
-    with CheckpointManager(root, options=options) as mgr:
+    with CheckpointManager(root, options=options, storage_options=storage_options) as mgr:
         for step in STEPS:
             signal_if("before the check", step)
             due = mgr.should_save(step)
@@ -149,6 +167,21 @@ def test_sigterm_to_rank_1_only_is_one_save_of_the_same_step_on_every_rank(
     with CheckpointManager(tmp_path, options=CheckpointManagerOptions(read_only=True)) as mgr:
         assert mgr.all_steps() == [0, acted_on]
         assert mgr.metadata(acted_on).world_size == 2
+
+
+@pytest.mark.distributed
+def test_sigterm_to_rank_1_on_an_object_store_root(s3_root: Any, tmp_path: Path) -> None:
+    """The same agreed preemption save with an s3:// root: step 0 uploads in the background,
+    the preemption step is uploaded and committed in the store before save() returns."""
+    storage = {**s3_root.storage_options, "cache_dir": str(tmp_path / "mirror")}
+    run_ranks(2, _sigterm_to_rank_1, s3_root.url, "before the check", 12, storage, timeout=180)
+    other = {**storage, "cache_dir": str(tmp_path / "other-machine")}
+    options = CheckpointManagerOptions(read_only=True)
+    with CheckpointManager(s3_root.url, options=options, storage_options=other) as reader:
+        assert reader.all_steps() == [0, 12]
+        assert reader.metadata(12).world_size == 2
+        # One process reads what two ranks saved: their per-rank field is left out.
+        assert reader.restore(12, ["x"], exclude=("x.rank",))["x"] == {"step": 12}
 
 
 class _TrainingStepFailedError(Exception):
