@@ -20,6 +20,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -85,7 +86,7 @@ class S3Root:
 # ------------------------------------------------------------------------------ the fault proxy
 
 
-FaultAction = Literal["slowdown", "error", "drop", "drop_answer"]
+FaultAction = Literal["slowdown", "error", "drop", "drop_answer", "late_answer"]
 
 _HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
@@ -109,6 +110,7 @@ class _Fault:
     query: str | None
     status: int
     path: str | None = None
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,9 @@ class FaultProxy:
     AccessDenied), ``"drop"`` reads the request and resets the connection without a response
     (the server never sees it), and
     ``"drop_answer"`` relays the request and resets the connection instead of relaying the
-    answer (the server acted; the client cannot know). Faults are consumed in the order they
+    answer (the server acted; the client cannot know), and ``"late_answer"`` relays the request
+    and holds the answer back for ``seconds`` (the server acted; the client is still waiting).
+    Faults are consumed in the order they
     were armed; requests that match none are relayed unchanged, and recorded in
     :attr:`transfers` (what a client downloaded, counted on the wire).
     """
@@ -167,12 +171,13 @@ class FaultProxy:
         query: str | None = None,
         status: int = 500,
         path: str | None = None,
+        seconds: float = 0.0,
     ) -> None:
         """Fail the next ``times`` requests whose method is ``method``, whose query string
         has the parameter ``query`` (e.g. ``"partNumber"``) and whose path ends with ``path``
         (e.g. ``"model/model.safetensors"``); ``None`` matches any."""
         with self._lock:
-            self._faults.append(_Fault(action, times, method, query, status, path))
+            self._faults.append(_Fault(action, times, method, query, status, path, seconds))
 
     def clear(self) -> None:
         with self._lock:
@@ -233,6 +238,11 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         fault = proxy._take(self.command, self.path)
         if fault is not None and fault.action == "drop_answer":
             self._forward(proxy, body)
+        if fault is not None and fault.action == "late_answer":
+            status, headers, data = self._forward(proxy, body)
+            time.sleep(fault.seconds)
+            self._answer(proxy, status, headers, data)
+            return
         if fault is not None and fault.action in ("drop", "drop_answer"):
             # SO_LINGER 0: close() sends a RST -- a connection reset, with no response at all.
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -255,7 +265,12 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             if self.command != "HEAD":
                 self.wfile.write(payload)
             return
-        status, headers, data = self._forward(proxy, body)
+        self._answer(proxy, *self._forward(proxy, body))
+
+    def _answer(
+        self, proxy: FaultProxy, status: int, headers: list[tuple[str, str]], data: bytes
+    ) -> None:
+        """Relay the upstream server's answer to the client, and record it."""
         transfer = Transfer(
             self.command, urlsplit(self.path).path, self.headers.get("Range"), status, len(data)
         )

@@ -11,6 +11,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +22,7 @@ from _s3 import FaultProxy, S3Root
 
 from orbit_pt._storage import objects
 from orbit_pt._storage.objects import (
+    _ABORT_ROUNDS,
     MiB,
     MissingClientError,
     ObjectNotFoundError,
@@ -381,6 +383,24 @@ def test_an_abort_the_server_fails_is_repeated_until_the_upload_is_gone(
     assert store.abort_multipart_uploads(prefix + "/") == 0  # nothing left open
 
 
+def test_an_abort_that_keeps_failing_gives_up_after_a_few_requests(
+    s3_faults: tuple[FaultProxy, S3Root], opened: Callable[..., Any], tmp_path: Path
+) -> None:
+    # A store that is down must not hold a failing save for _ABORT_ROUNDS times the retry
+    # policy: the first abort is retried as any request, the later rounds send one each.
+    proxy, root = s3_faults
+    store, prefix = opened(root.url, root.storage_options, retry=FAST)
+    (tmp_path / "source").write_bytes(payload(2 * PART))
+    proxy.fail("error", 1000, method="PUT", query="partNumber", status=503)
+    proxy.fail("error", 1000, method="DELETE", query="uploadId")
+    with pytest.raises(ObjectStoreError, match="upload part"):
+        store.put_file(f"{prefix}/big", tmp_path / "source", part_size=PART)
+    aborts = [r for r in proxy.requests if r[0] == "DELETE" and "uploadId" in r[1]]
+    assert len(aborts) == FAST.max_attempts + _ABORT_ROUNDS - 1
+    proxy.clear()
+    assert store.abort_multipart_uploads(prefix + "/") == 1  # left to the next writer
+
+
 def test_a_streamed_upload_aborted_with_parts_in_flight_leaves_nothing(
     s3_faults: tuple[FaultProxy, S3Root], opened: Callable[..., Any]
 ) -> None:
@@ -396,6 +416,26 @@ def test_a_streamed_upload_aborted_with_parts_in_flight_leaves_nothing(
         upload.abort()  # while the parts are being sent
     assert store.head(f"{prefix}/streamed") is None
     assert store.abort_multipart_uploads(prefix + "/") == 0
+
+
+def test_an_upload_aborted_while_it_is_being_created_is_aborted_not_orphaned(
+    s3_faults: tuple[FaultProxy, S3Root], opened: Callable[..., Any]
+) -> None:
+    # The store creates the upload but its answer is late: the abort comes while the client
+    # still waits for the id. Cancelling the sends used to cancel the creation too, leaving
+    # an upload nobody knew the id of (its parts billed until a cleanup of the whole prefix).
+    proxy, root = s3_faults
+    store, prefix = opened(root.url, root.storage_options, retry=FAST)
+    proxy.fail("late_answer", 1, method="POST", query="uploads", seconds=0.5)
+    upload = store.open_upload(f"{prefix}/late")
+    upload.send(1, lambda: payload(PART))
+    deadline = time.monotonic() + 30
+    while not proxy.injected:  # the creation reached the proxy, whose answer is held back
+        assert time.monotonic() < deadline, "the upload's creation never reached the proxy"
+        time.sleep(0.005)
+    upload.abort()
+    assert [a for a, _, _ in proxy.injected] == ["late_answer"]
+    assert store.abort_multipart_uploads(prefix + "/") == 0  # it was aborted, by its id
 
 
 def test_a_4xx_is_not_retried(

@@ -615,19 +615,22 @@ class S3fsStore:
         a given multipart upload multiple times", AbortMultipartUpload's documentation), and a
         server may fail the abort itself (moto answers 500 when a part lands meanwhile). An
         upload left open keeps its parts' bytes billed until the next writer's cleanup.
+
+        The first abort is retried as any request is (``self.retry``); the later rounds make one
+        request each, so that a store that is down adds a few short waits to a failing save,
+        not ``_ABORT_ROUNDS`` times the retry policy's.
         """
+        abort = functools.partial(self._call, "abort_multipart_upload", Key=key, UploadId=upload_id)
         for round_ in range(1, _ABORT_ROUNDS + 1):
             try:
-                await self._attempt(
-                    "abort a multipart upload of",
-                    key,
-                    functools.partial(
-                        self._call, "abort_multipart_upload", Key=key, UploadId=upload_id
-                    ),
-                )
-            except ObjectStoreError as exc:
-                if "NoSuchUpload" not in exc.reason:  # else: completed or aborted meanwhile
-                    logger.info("abort of %s failed, checking: %s", self.url(key), exc.reason)
+                if round_ == 1:
+                    await self._attempt("abort a multipart upload of", key, abort)
+                else:
+                    await abort()
+            except Exception as exc:
+                reason = exc.reason if isinstance(exc, ObjectStoreError) else _classify(exc)[1]
+                if "NoSuchUpload" not in reason:  # else: completed or aborted meanwhile
+                    logger.info("abort of %s failed, checking: %s", self.url(key), reason)
             try:
                 await self._call("list_parts", Key=key, UploadId=upload_id, MaxParts=1)
             except Exception as exc:
@@ -964,7 +967,10 @@ class _S3PartUpload:
         try:
             if self._aborted:
                 raise asyncio.CancelledError
-            upload_id = await asyncio.wrap_future(self._upload_id)
+            # Shielded: cancelling this send (an abort) must not cancel the upload's creation,
+            # which the store may complete anyway -- an upload nobody knows the id of, whose
+            # parts stay billed. The abort waits for the id and aborts the upload instead.
+            upload_id = await asyncio.shield(asyncio.wrap_future(self._upload_id))
             if earlier is not None:  # a resend lands after the send it replaces
                 await asyncio.wait([asyncio.wrap_future(earlier)])
             slots = self._store._stream_slots()
