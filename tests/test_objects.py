@@ -365,40 +365,37 @@ def test_a_part_that_keeps_failing_fails_the_upload_and_aborts_it(
     assert store.abort_multipart_uploads(prefix + "/") == 0  # aborted on the way out
 
 
-def test_an_abort_the_server_fails_is_repeated_until_the_upload_is_gone(
-    s3_faults: tuple[FaultProxy, S3Root], opened: Callable[..., Any], tmp_path: Path
+@pytest.mark.parametrize(
+    ("failing", "aborts", "left_open"),
+    [
+        # One round's retries all fail; the next round's single request goes through.
+        (FAST.max_attempts + 1, FAST.max_attempts + 2, 0),
+        # A store that keeps failing: the first round is retried as any request, the later
+        # rounds send one request each, then the upload is left to the next writer's cleanup
+        # -- a store that is down must not hold a failing save for rounds x the retry policy.
+        (1000, FAST.max_attempts + _ABORT_ROUNDS - 1, 1),
+    ],
+    ids=["repeated-until-gone", "gives-up"],
+)
+def test_a_failing_abort_is_repeated_a_bounded_number_of_times(
+    s3_faults: tuple[FaultProxy, S3Root],
+    opened: Callable[..., Any],
+    tmp_path: Path,
+    failing: int,
+    aborts: int,
+    left_open: int,
 ) -> None:
-    # The CI run that found this: moto answered 500 to an abort that raced a part in flight,
-    # and the upload stayed open (its parts billed) after the failed save.
     proxy, root = s3_faults
     store, prefix = opened(root.url, root.storage_options, retry=FAST)
     (tmp_path / "source").write_bytes(payload(2 * PART))
     proxy.fail("error", 1000, method="PUT", query="partNumber", status=503)
-    proxy.fail("error", FAST.max_attempts + 1, method="DELETE", query="uploadId")
+    proxy.fail("error", failing, method="DELETE", query="uploadId")
     with pytest.raises(ObjectStoreError, match="upload part"):
         store.put_file(f"{prefix}/big", tmp_path / "source", part_size=PART)
-    aborts = [r for r in proxy.requests if r[0] == "DELETE" and "uploadId" in r[1]]
-    assert len(aborts) == FAST.max_attempts + 2  # one round failed in full, the next went through
+    sent = [r for r in proxy.requests if r[0] == "DELETE" and "uploadId" in r[1]]
+    assert len(sent) == aborts
     proxy.clear()
-    assert store.abort_multipart_uploads(prefix + "/") == 0  # nothing left open
-
-
-def test_an_abort_that_keeps_failing_gives_up_after_a_few_requests(
-    s3_faults: tuple[FaultProxy, S3Root], opened: Callable[..., Any], tmp_path: Path
-) -> None:
-    # A store that is down must not hold a failing save for _ABORT_ROUNDS times the retry
-    # policy: the first abort is retried as any request, the later rounds send one each.
-    proxy, root = s3_faults
-    store, prefix = opened(root.url, root.storage_options, retry=FAST)
-    (tmp_path / "source").write_bytes(payload(2 * PART))
-    proxy.fail("error", 1000, method="PUT", query="partNumber", status=503)
-    proxy.fail("error", 1000, method="DELETE", query="uploadId")
-    with pytest.raises(ObjectStoreError, match="upload part"):
-        store.put_file(f"{prefix}/big", tmp_path / "source", part_size=PART)
-    aborts = [r for r in proxy.requests if r[0] == "DELETE" and "uploadId" in r[1]]
-    assert len(aborts) == FAST.max_attempts + _ABORT_ROUNDS - 1
-    proxy.clear()
-    assert store.abort_multipart_uploads(prefix + "/") == 1  # left to the next writer
+    assert store.abort_multipart_uploads(prefix + "/") == left_open
 
 
 def test_a_streamed_upload_aborted_with_parts_in_flight_leaves_nothing(
