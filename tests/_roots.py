@@ -20,6 +20,22 @@ import pytest
 
 from orbit_pt import CheckpointManager, CheckpointManagerOptions
 
+# Objects under an S3 root that are not the manager's: saves, retention, rollbacks and deletes
+# leave every one as it was. Step-like names that are not a step's exact name are foreign, as on
+# a local root; an exact step name with no marker is a crashed save's on an object store (the
+# next writer removes it), so none is here.
+FOREIGN_OBJECTS = {
+    "notes.txt": b"my notes",
+    ".hidden": b"\x00\x01",
+    "step_7/weights.bin": b"step_7",
+    "step_000000100/weights.bin": b"not the canonical name of step 100",
+    "step_00000003.bak/weights.bin": b"a backup",
+    "other.orbit-tmp/weights.bin": b"the tmp suffix, not on a step name",
+    "eval/weights.bin": b"eval",
+    "eval/step_00000001/_CHECKPOINT_METADATA": b"{}",
+    "superseded-notes/readme": b"not superseded/",
+}
+
 # Names in a root that are neither steps nor superseded steps: the writer's lock (a file
 # locally, a lease object on S3), the retention record for `orbit-pt ls`, and a deleted step's
 # folder while its files are removed on a thread of their own.
@@ -94,6 +110,32 @@ class RootUnderTest:
             keys += [obj["Key"][len(prefix) :] for obj in page.get("Contents", [])]
         client.close()
         return sorted(keys)
+
+    def put_foreign_objects(self) -> None:
+        """Put :data:`FOREIGN_OBJECTS` under the root's prefix (S3 only)."""
+        import boto3
+
+        assert self.url is not None
+        bucket, prefix = self.url.split("/")[2], self.url.split("/", 3)[3]
+        client = boto3.client("s3")
+        for rel, body in FOREIGN_OBJECTS.items():
+            client.put_object(Bucket=bucket, Key=f"{prefix}/{rel}", Body=body)
+        client.close()
+
+    def foreign_objects_unchanged(self) -> bool:
+        """Whether every one of :data:`FOREIGN_OBJECTS` is still there, byte for byte."""
+        import boto3
+
+        assert self.url is not None
+        bucket, prefix = self.url.split("/")[2], self.url.split("/", 3)[3]
+        client = boto3.client("s3")
+        try:
+            return all(
+                client.get_object(Bucket=bucket, Key=f"{prefix}/{rel}")["Body"].read() == body
+                for rel, body in FOREIGN_OBJECTS.items()
+            )
+        finally:
+            client.close()
 
     def is_committed(self, step: int) -> bool:
         """Whether the commit marker of ``step`` is in place (on S3: in the store, not in the

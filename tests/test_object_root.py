@@ -23,6 +23,7 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 from _distributed import run_ranks
+from _roots import FOREIGN_OBJECTS, RootUnderTest
 
 from orbit_pt import (
     CheckpointLockedError,
@@ -428,41 +429,23 @@ def test_the_cli_reads_and_prunes_an_object_store_root(
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
-# Objects under the root's prefix that are not this manager's: a save, retention, a rollback
-# and a delete leave every one of them as it was. (Names like a step's but not canonical are
-# foreign, as on a local root.)
-_FOREIGN = {
-    "notes.txt": b"my notes",
-    ".hidden": b"\x00\x01",
-    "step_7/weights.bin": b"step_7",
-    "step_000000100/weights.bin": b"not the canonical name of step 100",
-    "step_00000003.bak/weights.bin": b"a backup",
-    "other.orbit-tmp/weights.bin": b"the tmp suffix, not on a step name",
-    "eval/step_00000001/_CHECKPOINT_METADATA": b"{}",
-    "superseded-notes/readme": b"not superseded/",
-}
-
-
-def test_retention_and_rollback_leave_foreign_objects_alone(root: dict[str, Any]) -> None:
-    import boto3
-
-    client = boto3.client("s3")
-    bucket = root["url"].split("/")[2]
-    for rel, body in _FOREIGN.items():
-        client.put_object(Bucket=bucket, Key=f"{root['prefix']}/{rel}", Body=body)
+def test_retention_and_rollback_leave_foreign_objects_alone(s3_root: Any, tmp_path: Path) -> None:
+    where = RootUnderTest(
+        "s3",
+        tmp_path / "mirror",
+        tmp_path,
+        url=s3_root.url,
+        storage_options={**s3_root.storage_options, "cache_dir": str(tmp_path / "mirror")},
+    )
+    where.put_foreign_objects()
     model = _model(0)
-    options = CheckpointManagerOptions(keep_last_n=2)
-    with CheckpointManager(root["url"], options=options, storage_options=root["options"]) as mgr:
+    with where.open(keep_last_n=2) as mgr:
         for step in range(1, 5):
             mgr.save(step, {"model": model})  # retention deletes 1 and 2
         mgr.save(2, {"model": model})  # a rollback: 3 and 4 move to superseded/
         mgr.save(3, {"model": model})
         mgr.delete(2)  # by hand
         assert mgr.all_steps() == [3]
-    for rel, body in _FOREIGN.items():
-        got = client.get_object(Bucket=bucket, Key=f"{root['prefix']}/{rel}")["Body"].read()
-        assert got == body, rel
-    client.close()
-    keys = _keys(root)
-    steps = {k.split("/")[0] for k in keys if k.startswith("step_0") and "/" in k}
-    assert steps - {k.split("/")[0] for k in _FOREIGN} == {"step_00000003"}
+    assert where.foreign_objects_unchanged()
+    foreign = {rel.split("/")[0] for rel in FOREIGN_OBJECTS}
+    assert where.entries() == foreign | {"step_00000003", "superseded"}

@@ -21,10 +21,10 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
-from _roots import RootUnderTest
+from _roots import FOREIGN_OBJECTS, RootUnderTest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -797,14 +797,13 @@ metrics_strategy = st.one_of(
 
 
 class RetentionMachine(RuleBasedStateMachine):
-    """Random saves, rollbacks and restarts against the reference model of the rules."""
+    """Random saves, rollbacks and restarts against the reference model of the rules, on a
+    local root with foreign entries in it."""
 
     def __init__(self, base: Path, counter: Iterator[int]) -> None:
         super().__init__()
-        run = base / f"run{next(counter)}"
-        self.root, self.outside = run / "ckpt", run / "outside"
-        make_foreign(self.root, self.outside)
-        self.foreign = foreign_state(self.root, self.outside)
+        self.run = base / f"run{next(counter)}"
+        self.prepare()
         self.clock = FakeClock(start=0.0)
         self.config = Rules()
         self.mgr: CheckpointManager | None = None
@@ -813,6 +812,25 @@ class RetentionMachine(RuleBasedStateMachine):
         self.superseded = 0
         self.superseded_names: set[str] = set()
 
+    def prepare(self) -> None:
+        """Make the root, with things in it that are not this manager's."""
+        self.root, self.outside = self.run / "ckpt", self.run / "outside"
+        make_foreign(self.root, self.outside)
+        self.foreign = foreign_state(self.root, self.outside)
+
+    def open_manager(self, options: CheckpointManagerOptions) -> CheckpointManager:
+        return CheckpointManager(self.root, options=options, clock=self.clock)
+
+    def entries(self, under: str = "") -> set[str]:
+        """The root's entries (or its folder ``under``'s), bookkeeping left out."""
+        return entries(self.root / under if under else self.root)
+
+    def foreign_unchanged(self) -> bool:
+        return foreign_state(self.root, self.outside) == self.foreign
+
+    FOREIGN_NAMES: ClassVar[set[str]] = FOREIGN
+    LOCK: ClassVar[set[str]] = {".orbit.lock"}
+
     def manager(self) -> CheckpointManager:
         assert self.mgr is not None
         return self.mgr
@@ -820,7 +838,7 @@ class RetentionMachine(RuleBasedStateMachine):
     @initialize(config=rules_strategy())
     def open(self, config: Rules) -> None:
         self.config = config
-        self.mgr = CheckpointManager(self.root, options=config.options(), clock=self.clock)
+        self.mgr = self.open_manager(config.options())
 
     @precondition(lambda self: self.cursor < MAX_STEP - 3)
     @rule(
@@ -855,13 +873,13 @@ class RetentionMachine(RuleBasedStateMachine):
     @rule()
     def restart(self) -> None:
         self.manager().close()
-        self.mgr = CheckpointManager(self.root, options=self.config.options(), clock=self.clock)
+        self.mgr = self.open_manager(self.config.options())
 
     @rule(config=rules_strategy())
     def restart_with_other_options(self, config: Rules) -> None:
         self.manager().close()
         self.config = config
-        self.mgr = CheckpointManager(self.root, options=config.options(), clock=self.clock)
+        self.mgr = self.open_manager(config.options())
 
     @invariant()
     def matches_the_model(self) -> None:
@@ -879,15 +897,15 @@ class RetentionMachine(RuleBasedStateMachine):
     def touches_nothing_else(self) -> None:
         if self.mgr is None:
             return
-        assert foreign_state(self.root, self.outside) == self.foreign
-        expected = FOREIGN | step_folders(self.saved) | {".orbit.lock"}
+        assert self.foreign_unchanged()
+        expected = self.FOREIGN_NAMES | step_folders(self.saved) | self.LOCK
         if self.superseded:
             expected.add("superseded")
-            names = entries(self.root / "superseded")
+            names = self.entries("superseded")
             assert len(names) == self.superseded
             assert self.superseded_names <= names  # superseded/ only grows
             self.superseded_names = names
-        assert entries(self.root) == expected
+        assert self.entries() == expected
 
     def teardown(self) -> None:
         if self.mgr is not None:
@@ -897,13 +915,55 @@ class RetentionMachine(RuleBasedStateMachine):
                 self.mgr.close()
 
 
-def run_machine(base: Path, monkeypatch: pytest.MonkeyPatch, **overrides: Any) -> None:
+class S3RetentionMachine(RetentionMachine):
+    """The same machine on an ``s3://`` prefix of the loopback server, with foreign objects
+    under it (tests/_roots.py); entries are read from the store itself."""
+
+    server: ClassVar[RootUnderTest]  # the test's prefix; each run gets a prefix under it
+
+    def prepare(self) -> None:
+        assert self.server.url is not None
+        assert self.server.storage_options is not None
+        self.target = RootUnderTest(
+            "s3",
+            self.run / "mirror",
+            self.run,
+            url=f"{self.server.url}/{self.run.name}",
+            storage_options={**self.server.storage_options, "cache_dir": str(self.run / "mirror")},
+        )
+        self.target.put_foreign_objects()
+
+    def open_manager(self, options: CheckpointManagerOptions) -> CheckpointManager:
+        assert self.target.url is not None
+        return CheckpointManager(
+            self.target.url,
+            options=options,
+            clock=self.clock,
+            storage_options=self.target.storage_options,
+        )
+
+    def entries(self, under: str = "") -> set[str]:
+        return self.target.entries(under)
+
+    def foreign_unchanged(self) -> bool:
+        return self.target.foreign_objects_unchanged()
+
+    FOREIGN_NAMES: ClassVar[set[str]] = {rel.split("/")[0] for rel in FOREIGN_OBJECTS}
+    LOCK: ClassVar[set[str]] = set()
+
+
+def run_machine(
+    base: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    machine: type[RetentionMachine] = RetentionMachine,
+    **overrides: Any,
+) -> None:
     # fsync changes nothing a process can observe; durability is what the crash tests check.
     # Skipping it keeps hundreds of saves per example fast on a shared disk.
     monkeypatch.setattr(os, "fsync", lambda fd: None)
     counter = itertools.count()
 
-    class Machine(RetentionMachine):
+    class Machine(machine):  # type: ignore[valid-type,misc]
         def __init__(self) -> None:
             super().__init__(base, counter)
 
@@ -914,6 +974,16 @@ def test_manager_matches_the_reference_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run_machine(tmp_path, monkeypatch, max_examples=60, stateful_step_count=25)
+
+
+def test_manager_matches_the_reference_model_on_s3(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_root: Any
+) -> None:
+    """Fewer and shorter runs than on a local root: every save is a few requests to moto."""
+    S3RetentionMachine.server = RootUnderTest(
+        "s3", tmp_path, tmp_path, url=s3_root.url, storage_options=s3_root.storage_options
+    )
+    run_machine(tmp_path, monkeypatch, S3RetentionMachine, max_examples=8, stateful_step_count=15)
 
 
 @pytest.mark.slow
