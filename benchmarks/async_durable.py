@@ -87,9 +87,8 @@ def main() -> None:
     # ratio any copy-then-write order can reach on this machine.
     sync = median["sync, keep_last_n=1"]
     copy = statistics.median(blocked["async, keep_last_n=1"])
-    print(
-        f"ceiling without overlapping copy and write, sync / (sync + blocked): {sync / (sync + copy):.2f}"
-    )
+    ceiling = sync / (sync + copy)
+    print(f"ceiling without overlapping copy and write, sync / (sync + blocked): {ceiling:.2f}")
 
 
 if __name__ == "__main__":
