@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import shutil
+import signal
 import statistics
 import tempfile
 import time
@@ -35,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     model, optimizer = bench.build_state(args.size_gb)
     items = {"model": model, "optimizer": optimizer}
-    quiet: tuple[int, ...] = ()  # no signal handlers
+    quiet: tuple[signal.Signals, ...] = ()  # no signal handlers
     modes = {
         "sync, keep_last_n=1": CheckpointManagerOptions(keep_last_n=1, preemption_signals=quiet),
         "sync, every step kept": CheckpointManagerOptions(preemption_signals=quiet),

@@ -382,18 +382,20 @@ def run(size_gb: float, repeats: int, workdir: Path) -> dict[str, Any]:
 
     measure("safetensors.load_file + copy (cold)", "peer", st_load, before=lambda: evict(st_file))
 
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save_fn
 
     dcp_dir = scratch / "dcp"
 
     def dcp_save() -> None:
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(dcp_dir), thread_count=2))
+        dcp_save_fn(tensors, storage_writer=FileSystemWriter(str(dcp_dir), thread_count=2))
 
     measure("DCP save (2 threads)", "peer", dcp_save, before=fresh(dcp_dir))
     measure(
         "DCP load in place (cold)",
         "peer",
-        lambda: dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(dcp_dir))),
+        lambda: dcp_load(tensors, storage_reader=FileSystemReader(str(dcp_dir))),
         before=lambda: evict(dcp_dir),
     )
     shutil.rmtree(scratch)

@@ -139,7 +139,7 @@ def main() -> None:
     else:
         import torch.multiprocessing as mp
 
-        mp.start_processes(
+        mp.start_processes(  # type: ignore[attr-defined]
             _rank,
             args=(args.ranks, _free_port(), args, out),
             nprocs=args.ranks,

@@ -77,7 +77,7 @@ def _start_server() -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError("moto_server did not start")
 
 
-def _model(size_mb: int, width: int = 2048) -> torch.nn.Module:
+def _model(size_mb: int, width: int = 2048) -> torch.nn.Sequential:
     # Square layers (fp32): 16 MB each at the default width, a realistic mix of large tensors;
     # a small --width makes many small tensors (one request each when restored by range).
     layers = max(1, size_mb * 2**20 // (4 * width * width))
@@ -117,7 +117,7 @@ def _fsdp_rank(rank: int, world_size: int, port: int, url: str, options: dict, s
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
-    shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / 1e6
+    shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / 1e6  # type: ignore[attr-defined]
     with CheckpointManager(url, storage_options=options) as mgr:
         mgr.save(0, {"model": model})  # warm-up: code paths, connections
         Path("/proc/self/clear_refs").write_text("5")
@@ -142,7 +142,7 @@ def _fsdp(args: argparse.Namespace, endpoint: str, work: Path) -> None:
         "scattered": args.scattered,
     }
     url = f"s3://bench/fsdp-{uuid.uuid4().hex[:8]}"
-    mp.start_processes(
+    mp.start_processes(  # type: ignore[attr-defined]
         _fsdp_rank,
         args=(args.fsdp_ranks, _free_port(), url, options, args.size_mb, str(work)),
         nprocs=args.fsdp_ranks,
