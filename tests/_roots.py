@@ -36,10 +36,10 @@ FOREIGN_OBJECTS = {
     "superseded-notes/readme": b"not superseded/",
 }
 
-# Names in a root that are neither steps nor superseded steps: the writer's lock (a file
-# locally, a lease object on S3), the retention record for `orbit-pt ls`, and a deleted step's
-# folder while its files are removed on a thread of their own.
-_BOOKKEEPING = {".orbit.lock", ".orbit-lease", ".orbit-retention.json"}
+# Left out of a root's entries: the retention record for `orbit-pt ls` (informational), and a
+# deleted step's folder while its files are removed on a thread of their own. The writer's lock
+# is not left out: see RootUnderTest.lock_after_close.
+_RETENTION_RECORD = ".orbit-retention.json"
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,13 @@ class RootUnderTest:
     scratch: Path
     url: str | None = None
     storage_options: dict[str, Any] | None = None
+
+    @property
+    def lock_after_close(self) -> set[str]:
+        """The writer's lock entry a closed writer leaves in the root: the lock file locally;
+        on S3 nothing (the lease object is deleted at close; while open it is
+        ``.orbit-lease``)."""
+        return {".orbit.lock"} if self.url is None else set()
 
     @property
     def directory(self) -> str | Path:
@@ -86,17 +93,18 @@ class RootUnderTest:
         return CheckpointManager(self.directory, options=read_only, storage_options=storage)
 
     def entries(self, under: str = "") -> set[str]:
-        """The names directly under the root (or under its folder ``under``), bookkeeping left
-        out: step folders, ``superseded`` and anything foreign. On S3, read from the store."""
+        """The names directly under the root (or under its folder ``under``): step folders,
+        ``superseded``, the writer's lock and anything foreign; the retention record and
+        folders being deleted left out. On S3, read from the store."""
         if self.url is None:
             folder = self.path / under if under else self.path
             return {
                 entry.name
                 for entry in folder.iterdir()
-                if entry.name not in _BOOKKEEPING and not entry.name.endswith(".orbit-deleting")
+                if entry.name != _RETENTION_RECORD and not entry.name.endswith(".orbit-deleting")
             }
         prefix = "/".join(p for p in (self.url.split("/", 3)[3], under) if p) + "/"
-        return {key.split("/")[0] for key in self.keys(prefix)} - _BOOKKEEPING
+        return {key.split("/")[0] for key in self.keys(prefix)} - {_RETENTION_RECORD}
 
     def keys(self, prefix: str) -> list[str]:
         """Every object under ``prefix`` of the bucket, relative to it (S3 only)."""

@@ -448,4 +448,4 @@ def test_retention_and_rollback_leave_foreign_objects_alone(s3_root: Any, tmp_pa
         assert mgr.all_steps() == [3]
     assert where.foreign_objects_unchanged()
     foreign = {rel.split("/")[0] for rel in FOREIGN_OBJECTS}
-    assert where.entries() == foreign | {"step_00000003", "superseded"}
+    assert where.entries() == foreign | {"step_00000003", "superseded"}  # lease released
