@@ -23,7 +23,7 @@ from orbit_pt.errors import (
 )
 from orbit_pt.manager import CheckpointManager, RestoreInfo
 from orbit_pt.metadata import FileMetadata, ItemMetadata, StepMetadata
-from orbit_pt.options import CheckpointManagerOptions
+from orbit_pt.options import CheckpointManagerOptions, LocalTierOptions
 from orbit_pt.policies import (
     AnyOf,
     AnySavePolicy,
@@ -64,6 +64,7 @@ __all__ = [
     "KeepLastN",
     "KeepSteps",
     "KeepTimeInterval",
+    "LocalTierOptions",
     "OnPreemption",
     "OnSteps",
     "PreemptionExit",

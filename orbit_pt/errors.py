@@ -27,11 +27,20 @@ class CheckpointTypeError(CheckpointError, TypeError):
 class StepNotFoundError(CheckpointError, FileNotFoundError):
     """A step was asked for that is not committed under the root."""
 
-    def __init__(self, step: int | None, root: Path | str, available: list[int]) -> None:
+    def __init__(
+        self, step: int | None, root: Path | str, available: list[int], *, detail: str = ""
+    ) -> None:
         self.step = step
         self.root = str(root)
         self.available = list(available)
-        if step is None:
+        self.detail = detail
+        if step is not None and detail:
+            shown = _short_list(self.available) if self.available else "none"
+            message = (
+                f"step {step} is not a committed checkpoint under {self.root} (committed "
+                f"steps: {shown}): {detail}"
+            )
+        elif step is None:
             message = (
                 f"there is no committed checkpoint under {self.root} yet; check the path, or "
                 "start from scratch when latest_step() is None"
@@ -45,7 +54,13 @@ class StepNotFoundError(CheckpointError, FileNotFoundError):
         super().__init__(message)
 
     def __reduce__(self) -> tuple:
-        return (type(self), (self.step, self.root, self.available))
+        return (_step_not_found, (self.step, self.root, self.available, self.detail))
+
+
+def _step_not_found(
+    step: int | None, root: str, available: list[int], detail: str
+) -> StepNotFoundError:
+    return StepNotFoundError(step, root, available, detail=detail)
 
 
 class StepAlreadyExistsError(CheckpointError, FileExistsError):

@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -22,10 +23,13 @@ from orbit_pt._format import progress as _progress
 from orbit_pt._format import remote_files as _remote_files
 from orbit_pt._format import safe_open as _safe_open
 from orbit_pt._format.remote_files import RemoteFile
+from orbit_pt._storage import fs as _fs
 from orbit_pt._storage import layout as _layout
 from orbit_pt._storage import verifiers as _verifiers
 from orbit_pt._storage.remote import open_root
 from orbit_pt._storage.store import StepStore
+from orbit_pt._tiers.local_tier import LocalPlan, LocalTier
+from orbit_pt._tiers.shard import check_target as check_local_target
 from orbit_pt.errors import (
     CheckpointError,
     CheckpointSaveError,
@@ -35,6 +39,7 @@ from orbit_pt.errors import (
     ItemNotFoundError,
     PreemptionExit,
     ReadOnlyError,
+    StepNotFoundError,
 )
 from orbit_pt.handlers import Handler, HandlerContext, default_handler, handler_by_name
 from orbit_pt.handlers.base import (
@@ -123,15 +128,36 @@ class CheckpointManager:
             if self._options.async_save and self._dist.enabled
             else self._dist
         )
+        # The local tier's background saves get a group (and a thread) of their own too, so
+        # that a local save never waits for a persistent upload in flight, nor the reverse.
+        self._local_dist = (
+            self._dist.new_group()
+            if self._options.async_save and self._options.local is not None
+            else self._dist
+        )
+        self._local: LocalTier | None = None
         with contextlib.ExitStack() as undo:  # a manager that fails to open releases everything
             undo.callback(self._dist.close)
             undo.callback(self._background_dist.close)
+            undo.callback(self._local_dist.close)
             local, remote = open_root(directory, storage_options)
             self._store = StepStore(
                 local, read_only=self._options.read_only, dist=self._dist, remote=remote
             )
             undo.callback(self._store.close)
             self._background = BackgroundSaver(self._store.root)
+            local_options = self._options.local
+            if local_options is not None:
+                self._local = LocalTier(
+                    Path(local_options.root),
+                    self._run_id(),
+                    replicas=local_options.replicas,
+                    keep_last_n=local_options.keep_last_n,
+                    dist=self._dist,
+                )
+            self._local_background = BackgroundSaver(
+                self._local.root if self._local is not None else self._store.root
+            )
             self._preemption = PreemptionWatcher(
                 () if self._options.read_only else self._options.preemption_signals
             )
@@ -152,14 +178,68 @@ class CheckpointManager:
         """The root folder."""
         return self._store.root
 
-    def all_steps(self) -> list[int]:
-        """Every committed step, ascending; ``[]`` when there is none."""
-        return self._store.steps()
+    def all_steps(self, tier: str | None = None) -> list[int]:
+        """Every committed step, ascending; ``[]`` when there is none.
+
+        With a local tier (``CheckpointManagerOptions.local``): ``tier="persistent"`` lists
+        the root's steps, ``tier="local"`` the steps recoverable from the surviving local
+        roots and replicas, and the default both. Listing the local tier is collective: call
+        it on every rank.
+        """
+        if tier not in (None, "local", "persistent"):
+            raise CheckpointValueError(f"tier must be None, 'local' or 'persistent', got {tier!r}")
+        if tier == "persistent" or (tier is None and self._local is None):
+            return self._store.steps()
+        local = sorted(self._local_plans()) if self._local is not None else []
+        if tier == "local":
+            return local
+        return sorted(set(local) | set(self._store.steps()))
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
-        steps = self._store.steps()
+        """The newest committed step, or None.
+
+        With a local tier: the newest step recoverable from either tier, the same on every
+        rank (collective: call it on every rank).
+        """
+        steps = self.all_steps() if self._local is not None else self._store.steps()
         return steps[-1] if steps else None
+
+    def _local_plans(self, asked: int | None = None) -> dict[int, LocalPlan]:
+        """The recoverable local steps (collective); ``asked``: the step every rank must ask."""
+        assert self._local is not None
+        self._check_open()
+        try:
+            return self._local.list_recoverable(self._dist, asked=asked)
+        except (AgreedError, PeerError) as exc:
+            raise CheckpointError(f"listing the local tier failed: {exc}") from exc
+
+    def _run_id(self) -> str:
+        """This run's id, kept in the persistent root (created by its first writer)."""
+
+        def read_or_create() -> str:
+            if not self._dist.is_primary:
+                return ""
+            name = _layout.RUN_ID_FILE
+            path = self._store.root / name
+            remote = self._store.remote
+            data = remote.get_root_file(name) if remote is not None else None
+            if data is None and path.is_file():
+                data = path.read_bytes()
+            if data is not None:
+                return data.decode().strip()
+            run_id = uuid.uuid4().hex
+            tmp = path.with_name(name + ".tmp")
+            tmp.unlink(missing_ok=True)
+            _fs.write_file_durably(tmp, run_id.encode())
+            _fs.replace_durably(tmp, path)
+            if remote is not None:
+                remote.put_root_file(self._store.root, name)
+            return run_id
+
+        _, shared = self._dist.agree(
+            "orbit_pt.local.run_id", read_or_create, label="reading the run id", share=str
+        )
+        return str(shared[0])
 
     def best_step(self) -> int | None:
         """The committed step with the best ``best_metric`` (ties: the newer step).
@@ -175,8 +255,20 @@ class CheckpointManager:
         return ranked[0].step if ranked else None
 
     def step_dir(self, step: int) -> Path:
-        """The committed folder of ``step`` (e.g. for ``from_pretrained(step_dir / "model")``)."""
-        self._store.metadata(_check_step(step))
+        """The committed folder of ``step`` (e.g. for ``from_pretrained(step_dir / "model")``).
+
+        Persistent steps only: a step saved only to the local tier has no Hugging Face folder.
+        """
+        _check_step(step)
+        if self._local is not None and step not in self._store.steps():
+            raise StepNotFoundError(
+                step,
+                self.directory,
+                self._store.steps(),
+                detail="a step saved only to the local tier has no folder: its shards are "
+                "per rank; restore it, or save it to the persistent tier",
+            )
+        self._store.metadata(step)
         return self._store.step_path(step)
 
     def metadata(self, step: int | None = None) -> StepMetadata:
@@ -191,7 +283,7 @@ class CheckpointManager:
         takes its view): call it on every rank.
         """
         self._check_open()
-        self._background.wait(reason="reload")
+        self._wait_all(reason="reload")
         self._store.rescan()
 
     # ---------------------------------------------------------------------------------- saving
@@ -205,7 +297,21 @@ class CheckpointManager:
         _check_step(step)
         if self._options.read_only:
             return False
-        return self._save_policy.should_save(step, preempted=self.reached_preemption(step))
+        persistent, local = self._due(step)
+        return persistent or local
+
+    def _due(self, step: int) -> tuple[bool, bool]:
+        """Whether ``step`` is a save step of the persistent tier and of the local tier."""
+        preempted = self.reached_preemption(step)
+        local_options = self._options.local
+        if local_options is None:
+            return self._save_policy.should_save(step, preempted=preempted), False
+        if preempted:  # the preemption save is one save, to the tier the options name
+            if local_options.preemption_tier == "local":
+                return False, True
+            return True, False
+        persistent = self._save_policy.should_save(step, preempted=False)
+        return persistent, step % local_options.save_interval_steps == 0
 
     def reached_preemption(self, step: int) -> bool:
         """Whether the job was asked to stop by a preemption signal, agreed by every rank.
@@ -271,8 +377,23 @@ class CheckpointManager:
             if step == self._preemption_saved:
                 return False
             raise PreemptionExit(self._options.preemption_exit_code, step, self._preemption_saved)
-        if not force and not self.should_save(step):
-            return False
+        if force:
+            persistent, local = True, False
+            if self._options.local is not None:
+                local = step % self._options.local.save_interval_steps == 0
+        else:
+            persistent, local = self._due(step)
+            if not (persistent or local):
+                return False
+        preemption = self._agreement.agreed
+        if preemption:  # both lanes finish first; the preemption save is synchronous
+            self._wait_all(reason=f"preemption save of step {step}")
+        if local:
+            self._save_local(step, items, metrics, synchronous=preemption)
+            if not persistent:
+                if preemption:
+                    self._preemption_saved = step
+                return True
         # The previous async save must be durable (or its failure raised) before the next, and
         # before staging reuses its buffers. Its outcome was agreed by every rank.
         self._background.wait(reason=f"save of step {step}")
@@ -283,7 +404,6 @@ class CheckpointManager:
             world_size=self._dist.world_size,
             collective=self._dist,
         )
-        preemption = self._agreement.agreed
         try:
             handlers, metric_values = self._plan(step, items, metrics)
             # A preemption save is synchronous: the job is about to exit inside its grace period.
@@ -300,6 +420,52 @@ class CheckpointManager:
         if preemption:
             self._preemption_saved = step
         return True
+
+    def _save_local(
+        self,
+        step: int,
+        items: Mapping[str, Any],
+        metrics: Mapping[str, Any] | None,
+        *,
+        synchronous: bool,
+    ) -> None:
+        """Save ``step`` to the local tier: staged now, written now or on the local lane."""
+        assert self._local is not None
+        local = self._local
+        asynchronous = self._options.async_save and not synchronous
+        # Only the previous local save: a persistent upload in flight is not waited for.
+        self._local_background.wait(reason=f"local save of step {step}")
+        try:
+            self._plan(step, items, metrics)
+            staged, _ = self._dist.agree(
+                "orbit_pt.local.stage",
+                lambda: local.capture(items, stage=asynchronous),
+                label=f"staging local step {step}",
+            )
+        except (AgreedError, PeerError) as exc:
+            raise CheckpointSaveError(step, local.root, str(exc)) from exc
+
+        def newest_persistent() -> int | None:
+            steps = self._store.steps()
+            return steps[-1] if steps else None
+
+        def job(dist: Collective) -> None:
+            try:
+                local.save(step, staged, dist, newest_persistent=newest_persistent)
+            except (AgreedError, PeerError) as exc:
+                raise CheckpointSaveError(step, local.root, str(exc)) from exc
+
+        if asynchronous:
+            self._local_background.submit(step, lambda: job(self._local_dist))
+        else:
+            job(self._dist)
+
+    def _wait_all(self, *, reason: str | None = None) -> None:
+        """Wait for both lanes (persistent, local); the first failure is raised after both."""
+        try:
+            self._background.wait(reason=reason)
+        finally:
+            self._local_background.wait(reason=reason)
 
     def _plan(
         self, step: int, items: Mapping[str, Any], metrics: Mapping[str, Any] | None
@@ -471,13 +637,14 @@ class CheckpointManager:
         """Block until a save in flight is committed; re-raise its failure, if any.
 
         Safe from any thread. A background failure is raised to every thread that waits, and
-        stays pending until the thread that called ``save`` has received it too.
+        stays pending until the thread that called ``save`` has received it too. With a local
+        tier, waits for the saves in flight of both tiers.
         """
-        self._background.wait()
+        self._wait_all()
 
     def is_saving_in_progress(self) -> bool:
-        """Whether an async save is being written in the background right now."""
-        return self._background.is_saving()
+        """Whether an async save (of either tier) is being written in the background now."""
+        return self._background.is_saving() or self._local_background.is_saving()
 
     # ------------------------------------------------------------------------------- restoring
 
@@ -543,9 +710,138 @@ class CheckpointManager:
             name -> the loaded object (in place) or its saved state, for each item restored.
         """
         self._check_open()
-        self._background.wait(reason="restore")
+        self._wait_all(reason="restore")
         if verify is None:
             verify = self._options.verify_on_restore
+        if self._local is None:
+            return self._restore_persistent(step, items, exclude, missing_ok, verify)
+        if step is not None:
+            _check_step(step)
+        plans = self._local_plans(asked=step)
+        if step is not None:
+            if step in plans:  # a named step never falls back: its failure is raised
+                out = self._restore_local(plans[step], items, exclude, missing_ok, skipped=None)
+                assert out is not None
+                return out
+            return self._restore_persistent(step, items, exclude, missing_ok, verify)
+        skipped: list[tuple[int, str]] = []
+        persistent = set(self._store.steps())
+        for candidate in sorted(set(plans) | persistent, reverse=True):
+            if candidate in plans:
+                out = self._restore_local(
+                    plans[candidate], items, exclude, missing_ok, skipped=skipped
+                )
+                if out is not None:
+                    return out
+            if candidate in persistent:
+                return self._restore_persistent(
+                    candidate, items, exclude, missing_ok, verify, skipped=skipped
+                )
+        if skipped:
+            raise CorruptCheckpointError(
+                f"no step could be restored: every local step failed its checks "
+                f"({'; '.join(f'step {s}: {why}' for s, why in skipped)}) and {self.directory} "
+                "holds no persistent step"
+            )
+        raise StepNotFoundError(None, self.directory, [])
+
+    def _restore_local(
+        self,
+        plan: LocalPlan,
+        items: Mapping[str, Any] | Sequence[str] | None,
+        exclude: Sequence[str],
+        missing_ok: bool,
+        *,
+        skipped: list[tuple[int, str]] | None,
+    ) -> dict[str, Any] | None:
+        """Restore a recoverable local step: fetch what is missing, verify, then load.
+
+        With ``skipped`` (a restore of the newest step), a failure to fetch or verify on any
+        rank skips the step on every rank: it is appended there and None is returned.
+        Otherwise it is raised.
+        """
+        local = self._local
+        assert local is not None
+        step = plan.step
+        label = f"restoring local step {step}"
+        entries = _exclude_entries(exclude)
+
+        def check() -> tuple[list[tuple[int, int]], dict[str, Any], dict[str, Any], Any]:
+            fetched = local.fetch(plan, self._dist)
+            layout = local.verify(plan)
+            wanted = dict.fromkeys(layout) if items is None else self._wanted(items, None)
+            whole, fields = self._split_exclude(
+                step, list(layout), wanted, entries, missing_ok=missing_ok
+            )
+            missing = [name for name in wanted if name not in layout and name not in whole]
+            if missing and not missing_ok:
+                raise ItemNotFoundError(
+                    f"local step {step} has no item(s) {missing}; it holds {sorted(layout)}. "
+                    "Pass missing_ok=True to restore what it holds"
+                )
+            targets = {n: t for n, t in wanted.items() if n in layout and n not in whole}
+            for name, target in targets.items():
+                check_local_target(name, layout[name]["kind"], target)
+            chosen = {"targets": targets, "fields": fields, "missing": missing}
+            return fetched, layout, chosen, wanted
+
+        try:
+            (_, layout, chosen, wanted), shared = self._agree_restore(
+                "orbit_pt.local.verify",
+                check,
+                label,
+                share=lambda r: [r[0], sorted(r[2]["missing"])],
+                root=local.store.root,
+            )
+        except CheckpointError as exc:
+            if skipped is None:
+                raise
+            reason = str(exc)
+            skipped.append((step, reason))
+            logger.warning("skipping local step %d: %s", step, reason)
+            return None
+        targets, fields = chosen["targets"], chosen["fields"]
+        context = HandlerContext(
+            step=step,
+            items=wanted,
+            rank=self._dist.rank,
+            world_size=self._dist.world_size,
+            saved_world_size=self._dist.world_size,
+        )
+
+        def load() -> dict[str, Any]:
+            return local.load(plan, layout, targets, fields, context)
+
+        out, _ = self._agree_restore("orbit_pt.local.load", load, label, root=local.store.root)
+        fetched = tuple(sorted((shard, source) for f in shared for shard, source in f[0]))
+        self._last_restore = RestoreInfo(
+            step=step,
+            items=tuple(targets),
+            missing=tuple(chosen["missing"]),
+            excluded=tuple(entries),
+            tier="local",
+            fetched=fetched,
+            skipped=tuple(skipped or ()),
+        )
+        if self._dist.is_primary:
+            logger.info(
+                "restored local step %d from %s%s",
+                step,
+                local.root,
+                f" (shards fetched from peers: {list(fetched)})" if fetched else "",
+            )
+        return out
+
+    def _restore_persistent(
+        self,
+        step: int | None,
+        items: Mapping[str, Any] | Sequence[str] | None,
+        exclude: Sequence[str],
+        missing_ok: bool,
+        verify: bool,
+        *,
+        skipped: Sequence[tuple[int, str]] = (),
+    ) -> dict[str, Any]:
         label = "restore" if step is None else f"restoring step {step}"
 
         def check() -> _RestorePlan:
@@ -568,7 +864,7 @@ class CheckpointManager:
                 return self._restore_items(plan)
 
         out, _ = self._agree_restore("orbit_pt.restore", load, label)
-        self._last_restore = plan.info
+        self._last_restore = dataclasses.replace(plan.info, skipped=tuple(skipped))
         if self._dist.is_primary:
             if plan.info.missing:
                 logger.warning(
@@ -595,12 +891,14 @@ class CheckpointManager:
         label: str,
         *,
         share: Callable[[_T], Any] | None = None,
+        root: Path | None = None,
     ) -> tuple[_T, list[Any]]:
         """One agreement of a restore: a rank that fails (a bad checksum, a mismatched model, a
         bad exclude) stops every rank, instead of letting the others train on from a state
         this rank does not have."""
         try:
-            confined = _safe_open.confining(self._store.root, fn)  # no link below it followed
+            # No link below the root the restore reads from is followed.
+            confined = _safe_open.confining(root or self._store.root, fn)
             return self._dist.agree(tag, confined, label=label, share=share)
         except AgreedError as exc:
             if exc.local is not None:
@@ -625,7 +923,9 @@ class CheckpointManager:
         meta = self._store.metadata(step)
         wanted = self._wanted(items, meta)
         entries = _exclude_entries(exclude)
-        whole, fields = self._split_exclude(step, meta, wanted, entries, missing_ok=missing_ok)
+        whole, fields = self._split_exclude(
+            step, list(meta.items), wanted, entries, missing_ok=missing_ok
+        )
         missing = [name for name in wanted if name not in meta.items and name not in whole]
         if missing and not missing_ok:
             raise ItemNotFoundError(
@@ -693,7 +993,7 @@ class CheckpointManager:
     def _split_exclude(
         self,
         step: int,
-        meta: StepMetadata,
+        held: Sequence[str],
         wanted: Mapping[str, Any],
         entries: Sequence[str],
         *,
@@ -704,7 +1004,7 @@ class CheckpointManager:
         An entry is an item when it is an item's name, else ``item.field`` for the longest
         item name it starts with (item names may hold dots).
         """
-        known = [*meta.items, *(name for name in wanted if name not in meta.items)]
+        known = [*held, *(name for name in wanted if name not in held)]
         whole: set[str] = set()
         fields: dict[str, set[str]] = {}
         for entry in entries:
@@ -714,15 +1014,15 @@ class CheckpointManager:
                 if not owners:
                     raise CheckpointValueError(
                         f"exclude entry {entry!r} names no item of step {step} under "
-                        f"{self.directory}, which holds {sorted(meta.items)}; write 'item' to "
+                        f"{self.directory}, which holds {sorted(held)}; write 'item' to "
                         "leave an item out or 'item.field' for a field of one, e.g. 'recipe.rng'"
                     )
                 item = max(owners, key=len)
                 field = entry[len(item) + 1 :]
-            if item not in meta.items and not missing_ok:
+            if item not in held and not missing_ok:
                 raise CheckpointValueError(
                     f"exclude entry {entry!r} names item {item!r}, which step {step} under "
-                    f"{self.directory} does not hold (it holds {sorted(meta.items)}); remove "
+                    f"{self.directory} does not hold (it holds {sorted(held)}); remove "
                     "it from exclude, or pass missing_ok=True"
                 )
             if field:
@@ -826,8 +1126,9 @@ class CheckpointManager:
             release.callback(self._store.close)
             release.callback(self._dist.close)
             release.callback(self._background_dist.close)
+            release.callback(self._local_dist.close)
             release.callback(self._preemption.close)
-            self._background.wait()
+            self._wait_all()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -849,7 +1150,7 @@ class CheckpointManager:
         if self._closed:
             # A background failure that another thread's close() raised is still owed to the
             # thread that saved: it gets that first.
-            self._background.wait()
+            self._wait_all()
             raise CheckpointError(
                 f"this CheckpointManager for {self.directory} is closed; open a new one"
             )
@@ -958,10 +1259,11 @@ class CheckpointManager:
         return handler
 
     def _wanted(
-        self, items: Mapping[str, Any] | Sequence[str] | None, meta: StepMetadata
+        self, items: Mapping[str, Any] | Sequence[str] | None, meta: StepMetadata | None
     ) -> dict[str, Any]:
         """The items asked for, name -> live object (None: return the saved state)."""
         if items is None:
+            assert meta is not None
             return dict.fromkeys(meta.items)
         if isinstance(items, Mapping):
             return dict(items)
@@ -984,12 +1286,20 @@ class RestoreInfo:
             (``restore(..., missing_ok=True)``; e.g. the optimizer of a model-only seed step).
         excluded: the ``exclude`` entries (items and ``item.field`` names), left out with
             their live values.
+        tier: ``"persistent"`` (the root) or ``"local"`` (the node-local tier).
+        fetched: for a local restore, ``(rank, peer)`` for each rank whose own shard was not on
+            its node and was copied from ``peer``'s node (a lost node, a replaced node).
+        skipped: ``(step, reason)`` for each newer step that ``restore(None)`` tried and skipped
+            because a shard failed its checks on some rank.
     """
 
     step: int
     items: tuple[str, ...]
     missing: tuple[str, ...] = ()
     excluded: tuple[str, ...] = ()
+    tier: str = "persistent"
+    fetched: tuple[tuple[int, int], ...] = ()
+    skipped: tuple[tuple[int, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import signal
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -10,6 +11,54 @@ from typing import Literal
 
 from orbit_pt import policies as p
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalTierOptions:
+    """The node-local tier of a multi-tier manager: frequent saves to a fast node-local folder,
+    each rank's shard copied to ``replicas`` other nodes (docs/multi-tier.md).
+
+    Attributes:
+        root: a folder on node-local storage (NVMe); the same path on every node is fine.
+            Ranks that see the same folder (same host, device and inode) are one node.
+        save_interval_steps: a local save every this many steps (``step % n == 0``).
+        keep_last_n: the newest local steps each node keeps (the newest recoverable one is
+            never deleted; local steps older than the newest persistent step go).
+        replicas: how many other nodes keep a copy of each rank's shard (capped, with a
+            warning, at the number of other nodes).
+        preemption_tier: where the preemption save goes: ``"persistent"`` (the default: it
+            survives the loss of every node) or ``"local"`` (faster, for jobs requeued on the
+            same nodes).
+    """
+
+    root: str | os.PathLike[str]
+    save_interval_steps: int
+    keep_last_n: int = 1
+    replicas: int = 1
+    preemption_tier: Literal["persistent", "local"] = "persistent"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.root, (str, os.PathLike)) or not os.fspath(self.root):
+            raise CheckpointTypeError(
+                f"LocalTierOptions.root must be a folder path on node-local storage, got "
+                f"{self.root!r}"
+            )
+        if "://" in os.fspath(self.root):
+            raise CheckpointValueError(
+                f"LocalTierOptions.root must be a node-local folder, not a URL ({self.root!r}); "
+                "the object store is the persistent tier: CheckpointManager('s3://...')"
+            )
+        for name, least in (("save_interval_steps", 1), ("keep_last_n", 1), ("replicas", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise CheckpointValueError(
+                    f"LocalTierOptions.{name} must be an int >= {least}, got {value!r}"
+                )
+        if self.preemption_tier not in ("persistent", "local"):
+            raise CheckpointValueError(
+                "LocalTierOptions.preemption_tier must be 'persistent' or 'local', got "
+                f"{self.preemption_tier!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +109,8 @@ class CheckpointManagerOptions:
             rank waits in one of the manager's agreements for the other ranks before its
             save, restore or preemption check fails. None keeps gloo's own default, 30
             minutes, which is also what a rank waits for a peer that is alive but stuck.
+        local: a node-local tier (:class:`LocalTierOptions`) beside this root, the persistent
+            tier; ``should_save(step)`` is then True on either tier's cadence.
     """
 
     save_interval_steps: int | None = None
@@ -78,8 +129,19 @@ class CheckpointManagerOptions:
     verify_on_restore: bool = False
     preemption_exit_code: int = 143
     agreement_timeout: float | datetime.timedelta | None = None
+    local: LocalTierOptions | None = None
 
     def __post_init__(self) -> None:
+        if self.local is not None:
+            if not isinstance(self.local, LocalTierOptions):
+                raise CheckpointTypeError(
+                    f"local must be a LocalTierOptions, got {type(self.local).__name__}"
+                )
+            if self.read_only:
+                raise CheckpointValueError(
+                    "read_only=True with a local tier: a read-only manager reads the persistent "
+                    "root only; drop local=..."
+                )
         if self.keep_best_n is not None and self.best_metric is None:
             raise CheckpointValueError(
                 f"keep_best_n={self.keep_best_n} needs best_metric, the name of the metric to "

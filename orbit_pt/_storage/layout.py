@@ -28,9 +28,14 @@ RETENTION_FILE = ".orbit-retention.json"
 # In the local mirror of an object-store root: written by rank 0 when a writer opens, read by
 # the other ranks to check that they all see the folder rank 0 uploads from.
 MIRROR_TOKEN_FILE = ".orbit-mirror"
+# The run's identity, created by the first writer with a node-local tier: a local root's shards
+# are this run's only if their marker names it (orbit_pt/_tiers/local_store.py).
+RUN_ID_FILE = ".orbit-run-id"
 ROOT_FILES = frozenset(
     {
         LOCK_FILE,
+        RUN_ID_FILE,
+        RUN_ID_FILE + ".tmp",
         RETENTION_FILE,
         RETENTION_FILE + ".tmp",
         MIRROR_TOKEN_FILE,
