@@ -13,17 +13,20 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from _distributed import gather, run_ranks
+from _multi_tier_model import build as _build
+from _multi_tier_model import local_tensors as _local_tensors
+from _multi_tier_model import train_step as _train_step
 from safetensors.torch import load_file, save_file
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from orbit_pt import (
@@ -46,51 +49,6 @@ TIMEOUT = 180.0
 
 
 # --------------------------------------------------------------------------------- helpers
-
-
-class MLP(torch.nn.Module):
-    """Uneven first dims (7 and 3 rows), so FSDP2 shards them unevenly."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(5, 7)
-        self.down = torch.nn.Linear(7, 3)
-        self.register_buffer("scale", torch.linspace(0.5, 1.5, 3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down(torch.relu(self.up(x))) * self.scale
-        return out
-
-
-def _build(*, shard: bool) -> tuple[MLP, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = MLP()
-    if shard:
-        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
-    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
-
-
-def _train_step(model: MLP, opt: torch.optim.Optimizer, step: int) -> None:
-    gen = torch.Generator().manual_seed(step)
-    model(torch.randn(4, 5, generator=gen)).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def _local_tensors(model: MLP, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """This rank's own bytes of the model and optimizer (local shards of DTensors)."""
-    out = {}
-    for key, value in model.state_dict().items():
-        out[f"model/{key}"] = _local(value)
-    for index, state in opt.state_dict()["state"].items():
-        for key, value in state.items():
-            out[f"opt/{index}/{key}"] = _local(value)
-    return out
-
-
-def _local(value: Any) -> torch.Tensor:
-    value = value.to_local() if isinstance(value, DTensor) else value
-    return value.detach().clone().contiguous()
 
 
 def _assert_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -194,7 +152,8 @@ def test_local_restore_is_bitwise_and_says_where_it_came_from(tmp_path: Path) ->
     with _single(tmp_path) as mgr:
         mgr.restore(None, {"model": model, "optimizer": opt, "recipe": recipe})
         info = mgr.last_restore
-        assert info is not None and (info.step, info.tier, info.skipped) == (4, "local", ())
+        assert info is not None
+        assert (info.step, info.tier, info.skipped) == (4, "local", ())
     _assert_equal(_local_tensors(model, opt), expected)
     assert recipe.step == 4
     assert torch.equal(torch.get_rng_state(), rng)
@@ -219,8 +178,10 @@ def test_corrupt_local_shard_is_never_loaded(tmp_path: Path) -> None:
         _assert_equal(_local_tensors(fresh, fresh_opt), before)  # nothing loaded
         mgr.restore(None, {"model": fresh, "optimizer": fresh_opt})
         info = mgr.last_restore
-        assert info is not None and (info.step, info.tier) == (4, "local")
-        assert [s for s, _ in info.skipped] == [5] and "checksum" in info.skipped[0][1]
+        assert info is not None
+        assert (info.step, info.tier) == (4, "local")
+        assert [s for s, _ in info.skipped] == [5]
+        assert "checksum" in info.skipped[0][1]
         _assert_equal(_local_tensors(fresh, fresh_opt), states[4])
     # With the local step 4 corrupt too, the newest persistent step (4) is restored.
     _corrupt(folder / "step_00000004" / "rank_00000" / "optimizer" / "tensors.safetensors")
@@ -228,7 +189,8 @@ def test_corrupt_local_shard_is_never_loaded(tmp_path: Path) -> None:
     with _single(tmp_path) as mgr:
         mgr.restore(None, {"model": fresh, "optimizer": fresh_opt})
         info = mgr.last_restore
-        assert info is not None and (info.step, info.tier) == (4, "persistent")
+        assert info is not None
+        assert (info.step, info.tier) == (4, "persistent")
         assert [s for s, _ in info.skipped] == [5, 4]
     _assert_equal(_local_tensors(fresh, fresh_opt), states[4])
 
@@ -242,7 +204,8 @@ def test_local_root_of_another_run_is_ignored_and_untouched(tmp_path: Path) -> N
     (theirs,) = list(local.iterdir())
     listing = sorted(str(p.relative_to(local)) for p in theirs.rglob("*"))
     with CheckpointManager(tmp_path / "run_b", options=_options(local)) as mgr:
-        assert mgr.latest_step() is None and mgr.all_steps(tier="local") == []
+        assert mgr.latest_step() is None
+        assert mgr.all_steps(tier="local") == []
         with pytest.raises(StepNotFoundError):
             mgr.restore(None, {"model": model})
         mgr.save(6, {"model": model, "optimizer": opt})
@@ -254,7 +217,7 @@ def test_local_root_of_another_run_is_ignored_and_untouched(tmp_path: Path) -> N
 
 
 def test_local_retention_and_rollback(tmp_path: Path) -> None:
-    model, opt = _build(shard=False)
+    model, _opt = _build(shard=False)
     with _single(tmp_path, persistent_interval=10, save_interval_steps=2, keep_last_n=2) as mgr:
         for step in range(0, 9, 2):
             mgr.save(step, {"model": model})
@@ -314,7 +277,8 @@ def test_topology_spreads_replicas_over_other_nodes() -> None:
     assert topo.node_of == (0, 0, 1, 1, 2, 2)
     assert topo.homes(3) == [1, 2, 0]
     assert [topo.holder(3, node) for node in (1, 2, 0)] == [3, 5, 1]
-    assert topo.leader(2) and not topo.leader(3)
+    assert topo.leader(2)
+    assert not topo.leader(3)
     assert Topology.from_keys(keys[:2], replicas=1).replicas == 0  # one node: no replica
 
 
@@ -382,7 +346,8 @@ def _restore_on_one_rank(rank: int, world: int, base: str) -> None:
         assert mgr.all_steps(tier="local") == []  # shards of 2 ranks: not for this world
         mgr.restore(None, {"model": model, "optimizer": opt})
         info = mgr.last_restore
-        assert info is not None and (info.step, info.tier) == (3, "persistent")
+        assert info is not None
+        assert (info.step, info.tier) == (3, "persistent")
     saved = [load_file(base_path / f"rank{r}_step3.safetensors") for r in range(2)]
     weight = model.state_dict()["up.weight"]
     weight = weight.full_tensor() if isinstance(weight, DTensor) else weight
@@ -456,7 +421,8 @@ def _restore_with_one_corrupt_rank(rank: int, world: int, base: str) -> None:
         _assert_equal(_local_tensors(model, opt), before)
         mgr.restore(None, {"model": model, "optimizer": opt})
         info = mgr.last_restore
-        assert info is not None and (info.step, info.tier) == (3, "persistent")
+        assert info is not None
+        assert (info.step, info.tier) == (3, "persistent")
         assert [s for s, _ in info.skipped] == [4]
     _assert_equal(
         _local_tensors(model, opt), load_file(base_path / f"rank{rank}_step3.safetensors")
@@ -510,7 +476,7 @@ def test_sigterm_with_async_local_saves_leaves_a_persistent_preemption_step(
 def test_marker_is_written_last_and_checked(tmp_path: Path) -> None:
     """A shard folder without its marker, or with a marker of another world size, is not
     listed (what a crash between the write and the rename leaves is never read)."""
-    model, opt = _build(shard=False)
+    model, _opt = _build(shard=False)
     with _single(tmp_path) as mgr:
         mgr.save(2, {"model": model})
     folder = _run_folder(tmp_path / "local")
@@ -542,3 +508,56 @@ def test_logs_when_replicas_cannot_be_placed(tmp_path: Path, caplog: Any) -> Non
     with caplog.at_level(logging.WARNING), _single(tmp_path, replicas=1):
         pass
     assert "1 node(s) found" in caplog.text
+
+
+WORKER = Path(__file__).parent / "_multi_tier_worker.py"
+
+
+def _resume_after_kill(rank: int, world: int, base: str) -> None:
+    """Restore the newest recoverable step and check it against a replay of the same steps."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _multi_tier_worker import options
+
+    base_path = Path(base)
+    model, opt = _build(shard=True)
+    with CheckpointManager(base_path / "persistent", options=options(base_path, rank)) as mgr:
+        latest = mgr.latest_step()
+        assert latest is not None
+        mgr.restore(None, {"model": model, "optimizer": opt})
+        info = mgr.last_restore
+        assert info is not None
+        assert info.step == latest
+        (base_path / f"restored{rank}.json").write_text(
+            json.dumps({"step": info.step, "tier": info.tier, "fetched": info.fetched})
+        )
+    replay, replay_opt = _build(shard=True)
+    for step in range(1, info.step + 1):
+        _train_step(replay, replay_opt, step)
+    _assert_equal(_local_tensors(model, opt), _local_tensors(replay, replay_opt))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("after", [13, 26])
+def test_sigkill_of_every_rank_and_a_lost_node_restores_an_agreed_step(
+    tmp_path: Path, after: int
+) -> None:
+    job = subprocess.Popen([sys.executable, str(WORKER), str(tmp_path)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            progress = [tmp_path / f"progress{r}" for r in range(2)]
+            texts = [p.read_text() if p.exists() else "" for p in progress]
+            if all(t and int(t) >= after for t in texts):
+                break
+            assert job.poll() is None, "the worker ended before it was killed"
+            time.sleep(0.005)
+        else:
+            raise AssertionError("the worker made no progress")
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)  # every rank at once, wherever it is
+        job.wait(timeout=60)
+    shutil.rmtree(_node_root(tmp_path, 1))  # and node 1 is lost
+    run_ranks(2, _resume_after_kill, str(tmp_path), timeout=TIMEOUT)
+    restored = [json.loads((tmp_path / f"restored{r}.json").read_text()) for r in range(2)]
+    assert restored[0] == restored[1]
+    assert restored[0]["step"] >= after - 6  # a recent step, not a restart from far back
