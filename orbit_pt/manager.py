@@ -780,6 +780,13 @@ class CheckpointManager:
                     "Pass missing_ok=True to restore what it holds"
                 )
             targets = {n: t for n, t in wanted.items() if n in layout and n not in whole}
+            for name in fields:
+                if name in layout and layout[name]["kind"] != "state":
+                    raise CheckpointValueError(
+                        f"exclude names field(s) {sorted(fields[name])} of item {name!r}, a "
+                        f"{layout[name]['kind']} with no named fields; leave the whole item out "
+                        f"with exclude=({name!r},)"
+                    )
             for name, target in targets.items():
                 check_local_target(name, layout[name]["kind"], target)
             chosen = {"targets": targets, "fields": fields, "missing": missing}

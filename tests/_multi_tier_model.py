@@ -54,4 +54,5 @@ def local_tensors(model: MLP, opt: torch.optim.Optimizer) -> dict[str, torch.Ten
 
 def _local(value: Any) -> torch.Tensor:
     value = value.to_local() if isinstance(value, DTensor) else value
-    return value.detach().clone().contiguous()
+    out: torch.Tensor = value.detach().clone().contiguous()
+    return out

@@ -26,6 +26,7 @@ from _distributed import gather, run_ranks
 from _multi_tier_model import build as _build
 from _multi_tier_model import local_tensors as _local_tensors
 from _multi_tier_model import train_step as _train_step
+from _roots import RootUnderTest
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
@@ -38,6 +39,7 @@ from orbit_pt import (
     CorruptCheckpointError,
     LocalTierOptions,
     RecipeState,
+    RNGState,
     StepNotFoundError,
 )
 from orbit_pt._tiers import local_tier as _local_tier
@@ -138,17 +140,18 @@ def test_should_save_on_either_cadence_and_step_dir_is_persistent_only(tmp_path:
 
 def test_local_restore_is_bitwise_and_says_where_it_came_from(tmp_path: Path) -> None:
     model, opt = _build(shard=False)
-    recipe = RecipeState()
+    recipe = RecipeState(rng=RNGState())
     with _single(tmp_path) as mgr:
         for step in range(1, 5):
             _train_step(model, opt, step)
+            torch.rand(step)  # the global generator moves on
             recipe.step = step
+            rng = torch.get_rng_state()
             mgr.save(step, {"model": model, "optimizer": opt, "recipe": recipe})
         expected = _local_tensors(model, opt)
-        rng = torch.get_rng_state()
-    torch.manual_seed(123)  # another RNG state, and a fresh model: the restore must set both
-    model, opt = _build(shard=False)
-    recipe = RecipeState()
+    model, opt = _build(shard=False)  # a fresh model, and the generator reseeded
+    assert not torch.equal(torch.get_rng_state(), rng)
+    recipe = RecipeState(rng=RNGState())
     with _single(tmp_path) as mgr:
         mgr.restore(None, {"model": model, "optimizer": opt, "recipe": recipe})
         info = mgr.last_restore
@@ -193,6 +196,81 @@ def test_corrupt_local_shard_is_never_loaded(tmp_path: Path) -> None:
         assert (info.step, info.tier) == (4, "persistent")
         assert [s for s, _ in info.skipped] == [5, 4]
     _assert_equal(_local_tensors(fresh, fresh_opt), states[4])
+
+
+def test_local_tier_beside_either_persistent_root(where: RootUnderTest, tmp_path: Path) -> None:
+    model, opt = _build(shard=False)
+    local = LocalTierOptions(root=tmp_path / "local", save_interval_steps=2, keep_last_n=2)
+    states = {}
+    with where.open(save_interval_steps=4, local=local) as mgr:
+        for step in range(1, 7):
+            _train_step(model, opt, step)
+            mgr.save(step, {"model": model, "optimizer": opt})
+            states[step] = _local_tensors(model, opt)
+        assert mgr.all_steps(tier="persistent") == [4]
+        assert mgr.all_steps(tier="local") == [4, 6]
+    assert where.is_committed(4)
+    # A restarted job (on S3: with an empty mirror) finds its local steps: the run id is read
+    # back from the persistent root.
+    storage = None
+    if where.storage_options is not None:
+        storage = {**where.storage_options, "cache_dir": str(tmp_path / "new-mirror")}
+    options = CheckpointManagerOptions(save_interval_steps=4, local=local)
+    with CheckpointManager(where.directory, options=options, storage_options=storage) as mgr:
+        assert mgr.latest_step() == 6
+        mgr.restore(None, {"model": model, "optimizer": opt})
+        assert mgr.last_restore is not None
+        assert mgr.last_restore.tier == "local"
+        _assert_equal(_local_tensors(model, opt), states[6])
+        mgr.restore(4, {"model": model, "optimizer": opt})  # on both tiers: the local one
+        assert mgr.last_restore is not None
+        assert mgr.last_restore.tier == "local"
+        _assert_equal(_local_tensors(model, opt), states[4])
+    fresh, fresh_opt = _build(shard=False)
+    with where.reader() as reader:  # the persistent step, as another machine reads it
+        reader.restore(4, {"model": fresh, "optimizer": fresh_opt})
+    _assert_equal(_local_tensors(fresh, fresh_opt), states[4])
+
+
+@pytest.mark.parametrize("tier", ["persistent", "local"])
+def test_preemption_save_goes_to_the_tier_the_options_name(tmp_path: Path, tier: str) -> None:
+    model, opt = _build(shard=False)
+    options = _options(tmp_path / "local", preemption_tier=tier, async_save=True)
+    with CheckpointManager(tmp_path / "persistent", options=options) as mgr:
+        for step in range(1, 10):
+            _train_step(model, opt, step)
+            if step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if mgr.should_save(step):
+                mgr.save(step, {"model": model, "optimizer": opt})
+            if mgr.reached_preemption(step):
+                break
+        assert step == 5  # one process: acted on at once
+        mgr.wait_until_finished()
+        if tier == "persistent":
+            assert mgr.all_steps(tier="persistent") == [5]
+            assert mgr.all_steps(tier="local") == [2, 4]
+        else:
+            assert mgr.all_steps(tier="persistent") == []
+            assert mgr.all_steps(tier="local") == [4, 5]
+
+
+def test_local_restore_leaves_out_what_exclude_names(tmp_path: Path) -> None:
+    model, opt = _build(shard=False)
+    recipe = RecipeState(step=4, rng=RNGState())
+    with _single(tmp_path) as mgr:
+        mgr.save(4, {"model": model, "optimizer": opt, "recipe": recipe})
+        with pytest.raises(CheckpointValueError, match="no named fields"):
+            mgr.restore(4, {"model": model}, exclude=("model.up",))
+        torch.rand(3)  # the generator moves on; the excluded RNG field must leave it there
+        rng = torch.get_rng_state()
+        live = RecipeState(step=9, rng=RNGState())
+        out = mgr.restore(4, {"recipe": live}, exclude=("recipe.rng",))
+        assert list(out) == ["recipe"]
+        assert live.step == 4
+        assert mgr.last_restore is not None
+        assert mgr.last_restore.excluded == ("recipe.rng",)
+        assert torch.equal(torch.get_rng_state(), rng)
 
 
 def test_local_root_of_another_run_is_ignored_and_untouched(tmp_path: Path) -> None:

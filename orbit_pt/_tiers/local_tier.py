@@ -89,7 +89,13 @@ class LocalTier:
         self.rank = dist.rank
         self.world_size = dist.world_size
         self.keep_last_n = keep_last_n
-        keys = dist.all_gather(node_key(self.root))
+        # Agreed: a rank that cannot create its local root fails the open on every rank.
+        _, keys = dist.agree(
+            "orbit_pt.local.open",
+            lambda: node_key(self.root),
+            label=f"opening the local tier {self.root}",
+            share=lambda key: key,
+        )
         self.topology = Topology.from_keys(keys, replicas)
         if self.topology.replicas < replicas and dist.is_primary:
             logger.warning(

@@ -130,6 +130,16 @@ def check_target(name: str, kind: str, target: Any) -> None:
             f"item {name!r} was saved to the local tier as a {kind}, but the live object is a "
             f"{type(target).__name__}"
         )
+    if kind == MODULE and any(
+        (t.to_local() if is_dtensor(t) else t).is_meta
+        for t in (*target.parameters(), *target.buffers())
+    ):
+        # A local shard is copied into live tensors; a meta model is materialized by the
+        # persistent tier's restore, which restore(None) then falls back to.
+        raise StateMismatchError(
+            f"item {name!r}: the live module has tensors on the meta device; a local step loads "
+            "into a materialized module only (restore a persistent step to materialize it)"
+        )
 
 
 def _localize(tensor: Any) -> tuple[torch.Tensor, dict[str, list[int]]]:

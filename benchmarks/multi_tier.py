@@ -1,0 +1,162 @@
+"""Multi-tier checkpoints: what a save costs the training loop, and how soon it is safe, per tier.
+
+The persistent root is an ``s3://`` prefix on a moto S3 server in its own process on 127.0.0.1
+(a slow, far tier: moto is a CPU-bound Python server); the local tier is a folder on this
+machine's disk. Each round saves one step of a model and its AdamW state (async saves) with:
+
+- ``local only``: ``LocalTierOptions(save_interval_steps=1)``, no persistent save at that step;
+- ``persistent only``: no local tier, the step goes to S3;
+- ``both``: the step goes to both tiers (two lanes, each with its own gloo group and thread).
+
+It reports, per mode, the time ``save()`` blocked the loop (the host copy) and the time until
+the step was durable on every tier it went to (``wait_until_finished()``), then the restore
+time of the same step from the local tier and from S3 (a manager with an empty mirror: another
+machine). The modes rotate their order each round; medians of the rounds are printed.
+
+Run: ``.venv/bin/python benchmarks/multi_tier.py --size-mb 128 --rounds 3``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orbit_pt import CheckpointManager, CheckpointManagerOptions, LocalTierOptions
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_server() -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    moto = Path(sys.executable).with_name("moto_server")
+    process = subprocess.Popen(
+        [str(moto), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return process, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("moto_server did not start")
+
+
+def _training_state(size_mb: int, width: int = 1024) -> tuple[torch.nn.Module, Any]:
+    """A model of ``size_mb`` MB of fp32 weights and its AdamW state after one step (3x)."""
+    layers = max(1, size_mb * 2**20 // (4 * width * width))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, width)).square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mb", type=int, default=128, help="model weights (state is 3x)")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    import boto3
+
+    server, endpoint = _start_server()
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+    )
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
+    storage = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+    work = Path(tempfile.mkdtemp(prefix="orbit-tier-bench-"))
+    model, opt = _training_state(args.size_mb)
+    items = {"model": model, "optimizer": opt}
+    state_mb = (
+        sum(
+            t.numel() * t.element_size()
+            for t in [*model.parameters(), *(v for s in opt.state.values() for v in s.values())]
+        )
+        / 2**20
+    )
+    modes = ("local only", "persistent only", "both")
+    blocked: dict[str, list[float]] = {m: [] for m in modes}
+    durable: dict[str, list[float]] = {m: [] for m in modes}
+    restore: dict[str, list[float]] = {"from local": [], "from S3": []}
+    try:
+        for round_ in range(args.rounds):
+            order = modes[round_ % 3 :] + modes[: round_ % 3]
+            for mode in order:
+                run = uuid.uuid4().hex[:8]
+                url = f"s3://bench/{run}"
+                local = None
+                if mode != "persistent only":
+                    local = LocalTierOptions(
+                        root=work / f"local-{run}", save_interval_steps=1, keep_last_n=1
+                    )
+                options = CheckpointManagerOptions(
+                    save_interval_steps=1 if mode != "local only" else 10**9,
+                    async_save=True,
+                    local=local,
+                )
+                mirror = {**storage, "cache_dir": str(work / f"mirror-{run}")}
+                with CheckpointManager(url, options=options, storage_options=mirror) as mgr:
+                    started = time.perf_counter()
+                    mgr.save(1, items)
+                    blocked[mode].append(time.perf_counter() - started)
+                    mgr.wait_until_finished()
+                    durable[mode].append(time.perf_counter() - started)
+                if mode == "both":
+                    with CheckpointManager(url, options=options, storage_options=mirror) as mgr:
+                        started = time.perf_counter()
+                        mgr.restore(1, items)
+                        restore["from local"].append(time.perf_counter() - started)
+                        assert mgr.last_restore is not None
+                        assert mgr.last_restore.tier == "local"
+                    other = {**storage, "cache_dir": str(work / f"other-{run}")}
+                    with CheckpointManager(url, storage_options=other) as mgr:
+                        started = time.perf_counter()
+                        mgr.restore(1, items)
+                        restore["from S3"].append(time.perf_counter() - started)
+                shutil.rmtree(work / f"local-{run}", ignore_errors=True)
+    finally:
+        server.kill()
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"\nstate: {state_mb:.0f} MB (model + AdamW), {args.rounds} rounds, medians\n")
+    print("| mode | save() blocks the loop | durable on its tiers after |")
+    print("|---|---|---|")
+    for mode in modes:
+        print(
+            f"| {mode} | {statistics.median(blocked[mode]) * 1e3:.0f} ms | "
+            f"{statistics.median(durable[mode]):.2f} s |"
+        )
+    print("\n| restore of the step | time |")
+    print("|---|---|")
+    for name, values in restore.items():
+        print(f"| {name} | {statistics.median(values):.2f} s |")
+    local_s, s3_s = (statistics.median(v) for v in restore.values())
+    print(f"\nrestore from local is {s3_s / local_s:.1f}x faster than from S3")
+
+
+if __name__ == "__main__":
+    main()
