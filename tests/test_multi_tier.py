@@ -486,6 +486,67 @@ def test_one_rank_failing_in_a_local_save_fails_it_everywhere(tmp_path: Path, po
     run_ranks(2, _fail_at, str(tmp_path), point, timeout=TIMEOUT)
 
 
+class _Unstageable:
+    """An item whose state cannot be taken on rank 1 (a data loader that fails mid-epoch)."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.fail:
+            raise RuntimeError("the data loader's workers died")
+        return {"position": 3}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def _fail_elsewhere(rank: int, world: int, base: str, point: str) -> None:
+    """Rank 1 fails at the local tier's open, stage, list or load agreement: every rank
+    raises, and no rank is left waiting."""
+    base_path = Path(base)
+    local_root = _node_root(base_path, rank)
+    if point == "open" and rank == 1:
+        local_root.parent.mkdir(parents=True, exist_ok=True)
+        local_root.write_text("a file where the local root should be")
+    options = _options(local_root, persistent_interval=1000)
+    if point == "open":
+        with pytest.raises(CheckpointError, match=r"rank\(s\) \[1\]"):
+            CheckpointManager(base_path / "persistent", options=options)
+        return
+    model, opt = _build(shard=False)
+    with CheckpointManager(base_path / "persistent", options=options) as mgr:
+        items: dict[str, Any] = {"model": model, "optimizer": opt}
+        mgr.save(2, items)
+        if point == "stage":
+            with pytest.raises(CheckpointSaveError, match=r"rank\(s\) \[1\]"):
+                mgr.save(4, {**items, "loader": _Unstageable(rank == 1)})
+            assert mgr.all_steps(tier="local") == [2]
+        if point == "list":
+            local = mgr._local
+            assert local is not None
+            if rank == 1:
+                local.store.markers = _raiser(OSError(5, "Input/output error"))  # type: ignore[method-assign]
+            with pytest.raises(CheckpointError, match=r"rank\(s\) \[1\]"):
+                mgr.latest_step()
+            with pytest.raises(CheckpointError, match=r"rank\(s\) \[1\]"):
+                mgr.restore(None, items)
+            local.store.__dict__.pop("markers", None)
+            assert mgr.latest_step() == 2
+        if point == "load":
+            target = torch.nn.Linear(3, 3) if rank == 1 else model  # rank 1: the wrong model
+            with pytest.raises(CheckpointError, match=r"rank\(s\) \[1\]"):
+                mgr.restore(2, {"model": target})
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("point", ["open", "stage", "list", "load"])
+def test_one_rank_failing_elsewhere_in_the_local_tier_fails_everywhere(
+    tmp_path: Path, point: str
+) -> None:
+    run_ranks(2, _fail_elsewhere, str(tmp_path), point, timeout=TIMEOUT)
+
+
 def _restore_with_one_corrupt_rank(rank: int, world: int, base: str) -> None:
     base_path = Path(base)
     model, opt = _build(shard=True)

@@ -247,12 +247,14 @@ class LocalTier:
         steps older than the newest persistent step, go (never ``step`` itself)."""
         if not self.topology.leader(self.rank):
             return
-        held = [s for s in self.store.steps() if s <= step]
-        kept = set(sorted(held)[-self.keep_last_n :]) | {step}
+        # Only steps with shards of this world size count as kept ones: a folder left by
+        # another world size, or by a save that failed, never takes a complete step's place.
+        complete = sorted(s for s in self.store.markers() if s <= step)
+        kept = set(complete[-self.keep_last_n :]) | {step}
         doomed = [
             s
-            for s in held
-            if s != step
+            for s in self.store.steps()
+            if s < step
             and (s not in kept or (newest_persistent is not None and s < newest_persistent))
         ]
         for s in doomed:
