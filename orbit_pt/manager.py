@@ -222,8 +222,9 @@ class CheckpointManager:
             name = _layout.RUN_ID_FILE
             path = self._store.root / name
             remote = self._store.remote
+            # An object store's own copy only: a mirror's may outlive a deleted prefix.
             data = remote.get_root_file(name) if remote is not None else None
-            if data is None and path.is_file():
+            if remote is None and path.is_file():
                 data = path.read_bytes()
             if data is not None:
                 return data.decode().strip()
@@ -350,9 +351,16 @@ class CheckpointManager:
         on any rank raises on every rank, naming the rank, and commits nothing. The recorded
         ``metrics`` are rank 0's; a non-finite metric on any rank fails the save everywhere.
 
+        With a local tier (``CheckpointManagerOptions.local``) the step goes to each tier whose
+        cadence it is on (``force`` saves to the persistent tier, and to the local one on its
+        cadence); the local save is its own agreements (docs/multi-tier.md) and, with
+        ``async_save``, runs on a background lane of its own.
+
         Preemption: once every rank agreed that the job is being preempted, the next save is
-        the preemption save (synchronous). If the loop calls ``save`` again after it instead of
-        stopping (``reached_preemption``), the process ends with :class:`PreemptionExit`
+        the preemption save (synchronous; with a local tier it goes to
+        ``LocalTierOptions.preemption_tier``, after both lanes have finished). If the loop
+        calls ``save`` again after it instead of stopping (``reached_preemption``), the
+        process ends with :class:`PreemptionExit`
         (a ``SystemExit`` with ``options.preemption_exit_code``; ``finally`` blocks and
         context managers run). Saving the preemption step itself again returns False.
 
