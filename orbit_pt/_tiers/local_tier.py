@@ -161,13 +161,13 @@ class LocalTier:
                 outgoing, incoming = [], []
                 for node in self.topology.homes(rank)[1:]:
                     peer = self.topology.holder(rank, node)
-                    outgoing.append(Outgoing(peer, folders[rank], manifests[rank]))
+                    outgoing.append(Outgoing(peer, folders[rank], manifests[rank], rank))
                 for shard in range(self.world_size):
                     for node in self.topology.homes(shard)[1:]:
                         if self.topology.holder(shard, node) == rank:
                             tmp = self.store.fresh_tmp(step, shard)
                             folders[shard] = tmp
-                            incoming.append(Incoming(shard, tmp, manifests[shard]))
+                            incoming.append(Incoming(shard, tmp, manifests[shard], shard))
                 exchange(dist, outgoing, incoming, corrupt=self.corrupt_sends)
 
             dist.agree(
@@ -304,11 +304,11 @@ class LocalTier:
         for shard, source, destination in plan.moves:
             if source == rank:
                 folder = self.store.shard_path(plan.step, shard)
-                outgoing.append(Outgoing(destination, folder, plan.files[shard]))
+                outgoing.append(Outgoing(destination, folder, plan.files[shard], shard))
             if destination == rank:
                 tmp = self.store.fresh_tmp(plan.step, shard)
                 folders[shard] = tmp
-                incoming.append(Incoming(source, tmp, plan.files[shard]))
+                incoming.append(Incoming(source, tmp, plan.files[shard], shard))
                 if shard == rank:
                     fetched.append((shard, source))
         try:

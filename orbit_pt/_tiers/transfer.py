@@ -27,20 +27,26 @@ CHUNK = 32 << 20
 
 @dataclass(frozen=True)
 class Outgoing:
-    """Files this rank sends to ``peer`` (read from ``folder``), in ``files``' sorted order."""
+    """Files this rank sends to ``peer`` (read from ``folder``), in ``files``' sorted order.
+
+    ``shard`` (whose shard the files are) is the messages' tag: two streams between the same
+    pair of ranks never take each other's chunks.
+    """
 
     peer: int
     folder: Path
     files: Mapping[str, Mapping[str, Any]]  # rel -> {"size", "checksum"}
+    shard: int
 
 
 @dataclass(frozen=True)
 class Incoming:
-    """Files this rank receives from ``peer`` into ``folder``."""
+    """Files this rank receives from ``peer`` into ``folder`` (``shard``: as for Outgoing)."""
 
     peer: int
     folder: Path
     files: Mapping[str, Mapping[str, Any]]
+    shard: int
 
 
 class _Reader:
@@ -180,14 +186,14 @@ def exchange(
                     if corrupt is not None:
                         corrupt(chunk)
                     peer = dist.get_global_rank(group, reader.out.peer)
-                    works.append(dist.isend(chunk, dst=peer, group=group))
+                    works.append(dist.isend(chunk, dst=peer, group=group, tag=reader.out.shard))
                 for writer in writers:
                     size = writer.next_size()
                     if size is None:
                         continue
                     buffer = torch.empty(size, dtype=torch.uint8)
                     peer = dist.get_global_rank(group, writer.inc.peer)
-                    works.append(dist.irecv(buffer, src=peer, group=group))
+                    works.append(dist.irecv(buffer, src=peer, group=group, tag=writer.inc.shard))
                     received.append((writer, buffer))
                 if not works:
                     break
