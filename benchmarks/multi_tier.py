@@ -21,10 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -32,33 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from s3_checkpoint import start_server
 
 from orbit_pt import CheckpointManager, CheckpointManagerOptions, LocalTierOptions
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start_server() -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    moto = Path(sys.executable).with_name("moto_server")
-    process = subprocess.Popen(
-        [str(moto), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return process, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("moto_server did not start")
 
 
 def _training_state(size_mb: int, width: int = 1024) -> tuple[torch.nn.Module, Any]:
@@ -79,7 +52,7 @@ def main() -> None:
 
     import boto3
 
-    server, endpoint = _start_server()
+    server, endpoint = start_server()
     os.environ.update(
         AWS_ACCESS_KEY_ID="testing",
         AWS_SECRET_ACCESS_KEY="testing",

@@ -57,7 +57,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start_server() -> tuple[subprocess.Popen[bytes], str]:
+def start_server() -> tuple[subprocess.Popen[bytes], str]:
+    """A moto S3 server in its own process on 127.0.0.1, and its endpoint URL."""
     port = _free_port()
     moto = Path(sys.executable).with_name("moto_server")
     process = subprocess.Popen(
@@ -195,7 +196,7 @@ def main() -> None:
 
     from orbit_pt import CheckpointManager
 
-    server, endpoint = _start_server()
+    server, endpoint = start_server()
     env = {
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
