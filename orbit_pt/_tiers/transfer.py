@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from orbit_pt._control.collective import Collective, _with_peers
 from orbit_pt._format import checksum as _checksum
+from orbit_pt._format.safetensors import tensor_bytes
 from orbit_pt.errors import CorruptCheckpointError
 
 CHUNK = 32 << 20
@@ -125,7 +126,7 @@ class _Writer:
             self.checksum = _checksum.Checksum()
         handle = self.handle
         assert handle is not None
-        view = memoryview(chunk.numpy())  # type: ignore[arg-type]
+        view = tensor_bytes(chunk)  # numpy is not a dependency
         handle.write(view)
         self.checksum.update(view)
         self.offset += chunk.numel()
