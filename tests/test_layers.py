@@ -14,6 +14,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("format", ("orbit_pt._format",)),
     ("storage", ("orbit_pt._storage", "orbit_pt.metadata")),
     ("handlers", ("orbit_pt.handlers", "orbit_pt.recipe")),
+    ("tiers", ("orbit_pt._tiers",)),
     (
         "manager",
         ("orbit_pt.manager", "orbit_pt.options", "orbit_pt.policies", "orbit_pt.retention"),
