@@ -396,9 +396,11 @@ class CheckpointManager:
         preemption = self._agreement.agreed
         if preemption:  # both lanes finish first; the preemption save is synchronous
             self._wait_all(reason=f"preemption save of step {step}")
+        start_local = None
         if local:
-            self._save_local(step, items, metrics, synchronous=preemption)
+            start_local = self._stage_local(step, items, metrics, synchronous=preemption)
             if not persistent:
+                start_local()
                 if preemption:
                     self._preemption_saved = step
                 return True
@@ -420,6 +422,10 @@ class CheckpointManager:
                 staged = self._stage(handlers, items, context)
         except (AgreedError, PeerError) as exc:
             raise CheckpointSaveError(step, self.directory, str(exc)) from exc
+        if start_local is not None:
+            # Started after the persistent staging: a local write running beside that copy
+            # would slow the copy the training loop waits for.
+            start_local()
         if staged is not None:
             job = self._save_job(step, handlers, staged, context, metric_values)
             self._background.submit(step, job)
@@ -429,15 +435,16 @@ class CheckpointManager:
             self._preemption_saved = step
         return True
 
-    def _save_local(
+    def _stage_local(
         self,
         step: int,
         items: Mapping[str, Any],
         metrics: Mapping[str, Any] | None,
         *,
         synchronous: bool,
-    ) -> None:
-        """Save ``step`` to the local tier: staged now, written now or on the local lane."""
+    ) -> Callable[[], None]:
+        """Stage ``step`` for the local tier; the returned call writes it (now, or on the
+        local lane with ``async_save``)."""
         assert self._local is not None
         local = self._local
         asynchronous = self._options.async_save and not synchronous
@@ -463,10 +470,13 @@ class CheckpointManager:
             except (AgreedError, PeerError) as exc:
                 raise CheckpointSaveError(step, local.root, str(exc)) from exc
 
-        if asynchronous:
-            self._local_background.submit(step, lambda: job(self._local_dist))
-        else:
-            job(self._dist)
+        def start() -> None:
+            if asynchronous:
+                self._local_background.submit(step, lambda: job(self._local_dist))
+            else:
+                job(self._dist)
+
+        return start
 
     def _wait_all(self, *, reason: str | None = None) -> None:
         """Wait for both lanes (persistent, local); the first failure is raised after both."""
