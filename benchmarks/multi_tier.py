@@ -15,7 +15,13 @@ on every tier it went to (``wait_until_finished()``), then the restore time of t
 from the local tier and from S3 (a manager with an empty mirror: another machine). The modes
 rotate their order each round; medians are printed.
 
+With ``--replicas`` it instead runs 2 gloo ranks as 2 simulated nodes (a local root each) and
+compares, in the same run, local saves without and with a replica on the other node (each
+rank's shard streamed over gloo and checked on arrival), then restores after node 1's root is
+deleted (its shard fetched from the replica) against a restore with both nodes intact.
+
 Run: ``.venv/bin/python benchmarks/multi_tier.py --size-mb 128 --rounds 3``
+(``--replicas --size-mb 64``: the 2-rank replica comparison)
 """
 
 from __future__ import annotations
@@ -46,6 +52,84 @@ def _training_state(size_mb: int, width: int = 1024) -> tuple[torch.nn.Module, A
     return model, opt
 
 
+def _replica_rank(rank: int, world: int, port: int, work: str, size_mb: int, rounds: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    base = Path(work)
+    torch.manual_seed(rank)  # every rank its own state, as data-parallel shards are
+    model, opt = _training_state(size_mb)
+    items = {"model": model, "optimizer": opt}
+    times: dict[str, list[float]] = {"replicas=0": [], "replicas=1": []}
+    restores: dict[str, list[float]] = {"both nodes intact": [], "node 1 lost": []}
+
+    def manager(replicas: int) -> CheckpointManager:
+        local = LocalTierOptions(
+            root=base / f"{replicas}-node{rank}", save_interval_steps=1, replicas=replicas
+        )
+        options = CheckpointManagerOptions(save_interval_steps=10**9, local=local)
+        return CheckpointManager(base / f"persistent-{replicas}", options=options)
+
+    for round_ in range(rounds):
+        for replicas in (round_ % 2, 1 - round_ % 2):
+            with manager(replicas) as mgr:
+                for step in range(1, 4):
+                    dist.barrier()
+                    started = time.perf_counter()
+                    mgr.save(step, items)  # synchronous: returns once every shard is committed
+                    if step > 1:
+                        times[f"replicas={replicas}"].append(time.perf_counter() - started)
+        with manager(1) as mgr:
+            dist.barrier()
+            started = time.perf_counter()
+            mgr.restore(None, items)
+            restores["both nodes intact"].append(time.perf_counter() - started)
+        dist.barrier()
+        if rank == 1:
+            shutil.rmtree(base / "1-node1")
+        dist.barrier()
+        with manager(1) as mgr:
+            started = time.perf_counter()
+            mgr.restore(None, items)
+            restores["node 1 lost"].append(time.perf_counter() - started)
+            assert mgr.last_restore is not None
+            assert mgr.last_restore.fetched == ((1, 0),)
+    if rank == 0:
+        state_mb = sum(t.numel() * t.element_size() for t in _tensors(model, opt)) / 2**20
+        print(f"\n2 ranks, {state_mb:.0f} MB of state per rank, medians of {rounds} rounds\n")
+        print("| local save | time (sync, until committed on every node) |")
+        print("|---|---|")
+        for name, values in times.items():
+            print(f"| {name} | {statistics.median(values):.2f} s |")
+        print("\n| restore of the newest local step | time |")
+        print("|---|---|")
+        for name, values in restores.items():
+            print(f"| {name} | {statistics.median(values):.2f} s |")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _tensors(model: torch.nn.Module, opt: Any) -> list[torch.Tensor]:
+    return [*model.parameters(), *(v for s in opt.state.values() for v in s.values())]
+
+
+def _replicas(args: argparse.Namespace) -> None:
+    import torch.multiprocessing as mp
+    from s3_checkpoint import _free_port
+
+    work = tempfile.mkdtemp(prefix="orbit-replica-bench-")
+    try:
+        mp.spawn(  # type: ignore[attr-defined]
+            _replica_rank,
+            args=(2, _free_port(), work, args.size_mb, args.rounds),
+            nprocs=2,
+            join=True,
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=int, default=128, help="model weights (state is 3x)")
@@ -56,7 +140,11 @@ def main() -> None:
         default=3,
         help="saves per manager (the first, which allocates the staging buffers, is not counted)",
     )
+    parser.add_argument("--replicas", action="store_true", help="the 2-rank replica comparison")
     args = parser.parse_args()
+    if args.replicas:
+        _replicas(args)
+        return
 
     import boto3
 
@@ -72,13 +160,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="orbit-tier-bench-"))
     model, opt = _training_state(args.size_mb)
     items = {"model": model, "optimizer": opt}
-    state_mb = (
-        sum(
-            t.numel() * t.element_size()
-            for t in [*model.parameters(), *(v for s in opt.state.values() for v in s.values())]
-        )
-        / 2**20
-    )
+    state_mb = sum(t.numel() * t.element_size() for t in _tensors(model, opt)) / 2**20
     modes = ("local only", "persistent only", "both")
     blocked: dict[str, list[float]] = {m: [] for m in modes}
     durable: dict[str, list[float]] = {m: [] for m in modes}

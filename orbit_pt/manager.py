@@ -786,7 +786,9 @@ class CheckpointManager:
 
         def check() -> tuple[list[tuple[int, int]], dict[str, Any], dict[str, Any], Any]:
             fetched = local.fetch(plan, self._dist)
-            layout = local.verify(plan)
+            layout = local.verify(
+                plan, checked=any(shard == self._dist.rank for shard, _ in fetched)
+            )
             wanted = dict.fromkeys(layout) if items is None else self._wanted(items, None)
             whole, fields = self._split_exclude(
                 step, list(layout), wanted, entries, missing_ok=missing_ok

@@ -1,25 +1,27 @@
 """Moving shard files between ranks over the manager's gloo group.
 
 Each transfer is a stream of files whose names, sizes and checksums both sides already agreed
-on; the bytes go as uint8 tensors in chunks of at most :data:`CHUNK` bytes (point-to-point sends
-and receives, all of a rank's streams advancing together so that two ranks sending to each
-other never wait on each other). The receiver writes each file into a fresh folder and checks
-its checksum on arrival; a mismatch is a :class:`CorruptCheckpointError` naming the sender.
+on, cut by both sides alike into chunks of at most :data:`CHUNK` bytes that travel as uint8
+tensors (point-to-point sends and receives). All of a rank's streams advance together, chunk by
+chunk, so that two ranks sending to each other never wait on each other; a receiver writes the
+chunks of one round to disk while the next round is on the wire. Each received file is checked
+against the sender's checksum on arrival; a mismatch is a :class:`CorruptCheckpointError` naming
+the sender, raised once the whole stream is in (a sender is never left waiting).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from orbit_pt._control.collective import Collective, _with_peers
 from orbit_pt._format import checksum as _checksum
+from orbit_pt._format.direct_io import RangeWriter
 from orbit_pt._format.safetensors import tensor_bytes
 from orbit_pt.errors import CorruptCheckpointError
 
@@ -50,100 +52,99 @@ class Incoming:
     shard: int
 
 
-class _Reader:
-    def __init__(self, out: Outgoing) -> None:
-        self.out = out
-        self.names = sorted(out.files)
-        self.index, self.offset = 0, 0
-        self.handle: BinaryIO | None = None
-        self.error: Exception | None = None
-
-    def next_chunk(self) -> torch.Tensor | None:
-        while self.index < len(self.names):
-            rel = self.names[self.index]
-            size = int(self.out.files[rel]["size"])
-            if self.offset >= size:
-                self._next_file()
-                continue
-            if self.handle is None:
-                self.handle = open(self.out.folder / rel, "rb")  # noqa: SIM115
-            n = min(CHUNK, size - self.offset)
-            data = self.handle.read(n)
-            if len(data) != n and self.error is None:
-                # Still send the agreed number of bytes: the receiver must not wait forever.
-                self.error = CorruptCheckpointError(
-                    f"{self.out.folder / rel} is shorter than its marker's {size} bytes"
-                )
-            data = data.ljust(n, b"\0")
-            self.offset += n
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return None
-
-    def _next_file(self) -> None:
-        if self.handle is not None:
-            self.handle.close()
-        self.handle, self.offset = None, 0
-        self.index += 1
-
-    def close(self) -> None:
-        if self.handle is not None:
-            self.handle.close()
+@dataclass(frozen=True)
+class _Chunk:
+    rel: str
+    offset: int
+    size: int
+    last: bool  # the file's last chunk
 
 
-class _Writer:
-    def __init__(self, inc: Incoming) -> None:
-        self.inc = inc
-        self.names = sorted(inc.files)
-        self.index, self.offset = 0, 0
-        self.handle: BinaryIO | None = None
-        self.checksum: Any = None
-        self.error: Exception | None = None
-        self._skip_empty()
+def _chunks(files: Mapping[str, Mapping[str, Any]]) -> list[_Chunk]:
+    """The chunks of a stream, the same on both sides (empty files have none)."""
+    out = []
+    for rel in sorted(files):
+        size = int(files[rel]["size"])
+        for offset in range(0, size, CHUNK):
+            n = min(CHUNK, size - offset)
+            out.append(_Chunk(rel, offset, n, offset + n == size))
+    return out
 
-    def _skip_empty(self) -> None:
-        while self.index < len(self.names):
-            rel = self.names[self.index]
-            if int(self.inc.files[rel]["size"]) != 0:
-                return
-            (self.inc.folder / rel).parent.mkdir(parents=True, exist_ok=True)
-            (self.inc.folder / rel).write_bytes(b"")
-            self._check(rel, _checksum.of_bytes(b""))
-            self.index += 1
 
-    def next_size(self) -> int | None:
-        if self.index >= len(self.names):
-            return None
-        size = int(self.inc.files[self.names[self.index]]["size"])
-        return min(CHUNK, size - self.offset)
+@dataclass
+class _Sender:
+    out: Outgoing
+    chunks: list[_Chunk] = field(init=False)
+    error: Exception | None = None
 
-    def take(self, chunk: torch.Tensor) -> None:
-        rel = self.names[self.index]
-        size = int(self.inc.files[rel]["size"])
-        if self.handle is None:
-            path = self.inc.folder / rel
+    def __post_init__(self) -> None:
+        self.chunks = _chunks(self.out.files)
+
+    def read(self, index: int) -> torch.Tensor:
+        chunk = self.chunks[index]
+        with open(self.out.folder / chunk.rel, "rb") as f:
+            f.seek(chunk.offset)
+            data = f.read(chunk.size)
+        if len(data) != chunk.size and self.error is None:
+            # Still send the agreed number of bytes: the receiver must not wait forever.
+            self.error = CorruptCheckpointError(
+                f"{self.out.folder / chunk.rel} is shorter than its marker's "
+                f"{self.out.files[chunk.rel]['size']} bytes"
+            )
+        return torch.frombuffer(bytearray(data.ljust(chunk.size, b"\0")), dtype=torch.uint8)
+
+
+@dataclass
+class _Receiver:
+    inc: Incoming
+    chunks: list[_Chunk] = field(init=False)
+    error: Exception | None = None
+    _writer: RangeWriter | None = None
+    _checksum: Any = None
+
+    def __post_init__(self) -> None:
+        self.chunks = _chunks(self.inc.files)
+        for rel, recorded in sorted(self.inc.files.items()):
+            if int(recorded["size"]) == 0:
+                path = self.inc.folder / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(b"")
+                self._check(rel, _checksum.of_bytes(b""))
+
+    def take(self, index: int, data: torch.Tensor) -> None:
+        """Write a received chunk. A failure (a full disk) is kept, not raised, and the rest of
+        the stream is still received: the sender is never left waiting."""
+        if self.error is not None:
+            return
+        try:
+            self._write(index, data)
+        except (OSError, AssertionError) as exc:
+            self.error = exc
+
+    def _write(self, index: int, data: torch.Tensor) -> None:
+        chunk = self.chunks[index]
+        if chunk.offset == 0:
+            path = self.inc.folder / chunk.rel
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.handle = open(path, "xb")  # noqa: SIM115
-            self.checksum = _checksum.Checksum()
-        handle = self.handle
-        assert handle is not None
-        view = tensor_bytes(chunk)  # numpy is not a dependency
-        handle.write(view)
-        self.checksum.update(view)
-        self.offset += chunk.numel()
-        if self.offset >= size:
-            handle.flush()
-            os.fsync(handle.fileno())
-            handle.close()
-            self.handle, self.offset = None, 0
-            self._check(rel, self.checksum.value())
-            self.index += 1
-            self._skip_empty()
+            with open(path, "xb") as f:
+                f.truncate(int(self.inc.files[chunk.rel]["size"]))
+            # O_DIRECT where the filesystem allows it, as a save writes: buffered writes of a
+            # large shard stall on the page cache's dirty-page limit.
+            self._writer = RangeWriter(path)
+            self._checksum = _checksum.Checksum()
+        writer = self._writer
+        assert writer is not None
+        writer.write(chunk.offset, [tensor_bytes(data)], self._checksum)
+        if chunk.last:
+            self._writer = None
+            writer.close()  # fsyncs the file
+            self._check(chunk.rel, self._checksum.value())
 
     def _check(self, rel: str, actual: str) -> None:
         recorded = self.inc.files[rel]["checksum"]
-        expected_algorithm = _checksum.algorithm_of(recorded)
-        if expected_algorithm != _checksum.ALGORITHM:
-            actual = _checksum.of_file(self.inc.folder / rel, expected_algorithm)
+        algorithm = _checksum.algorithm_of(recorded)
+        if algorithm != _checksum.ALGORITHM:
+            actual = _checksum.of_file(self.inc.folder / rel, algorithm)
         if actual != recorded and self.error is None:
             # Recorded, not raised: the rest of the stream is still received, so that the
             # sender is never left waiting on a receive that will not come.
@@ -153,8 +154,8 @@ class _Writer:
             )
 
     def close(self) -> None:
-        if self.handle is not None:
-            self.handle.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 def exchange(
@@ -171,43 +172,41 @@ def exchange(
     """
     if not outgoing and not incoming:
         return
-    readers = [_Reader(o) for o in outgoing]
-    writers = [_Writer(i) for i in incoming]
     group = collective.group
     assert group is not None, "exchange() needs a collective with a process group"
+    senders = [_Sender(o) for o in outgoing]
+    receivers = [_Receiver(i) for i in incoming]
+    rounds = max([len(s.chunks) for s in senders] + [len(r.chunks) for r in receivers])
+    pending: list[tuple[_Receiver, int, torch.Tensor]] = []
     try:
         with _with_peers(collective.timeout):
-            while True:
+            for index in range(rounds):
                 works = []
-                received = []
-                for reader in readers:
-                    chunk = reader.next_chunk()
-                    if chunk is None:
-                        continue
-                    if corrupt is not None:
-                        corrupt(chunk)
-                    peer = dist.get_global_rank(group, reader.out.peer)
-                    works.append(dist.isend(chunk, dst=peer, group=group, tag=reader.out.shard))
-                for writer in writers:
-                    size = writer.next_size()
-                    if size is None:
-                        continue
-                    buffer = torch.empty(size, dtype=torch.uint8)
-                    peer = dist.get_global_rank(group, writer.inc.peer)
-                    works.append(dist.irecv(buffer, src=peer, group=group, tag=writer.inc.shard))
-                    received.append((writer, buffer))
-                if not works:
-                    break
+                arriving = []
+                for sender in senders:
+                    if index < len(sender.chunks):
+                        data = sender.read(index)
+                        if corrupt is not None:
+                            corrupt(data)
+                        peer = dist.get_global_rank(group, sender.out.peer)
+                        works.append(dist.isend(data, peer, group, tag=sender.out.shard))
+                for receiver in receivers:
+                    if index < len(receiver.chunks):
+                        buffer = torch.empty(receiver.chunks[index].size, dtype=torch.uint8)
+                        peer = dist.get_global_rank(group, receiver.inc.peer)
+                        works.append(dist.irecv(buffer, peer, group, tag=receiver.inc.shard))
+                        arriving.append((receiver, index, buffer))
+                for receiver, done, buffer in pending:  # to disk while this round travels
+                    receiver.take(done, buffer)
                 for work in works:
                     if work is not None:
                         work.wait()
-                for writer, buffer in received:
-                    writer.take(buffer)
+                pending = arriving
+            for receiver, done, buffer in pending:
+                receiver.take(done, buffer)
     finally:
-        for reader in readers:
-            reader.close()
-        for writer in writers:
-            writer.close()
-    for error in [r.error for r in readers] + [w.error for w in writers]:
+        for receiver in receivers:
+            receiver.close()
+    for error in [s.error for s in senders] + [r.error for r in receivers]:
         if error is not None:
             raise error
