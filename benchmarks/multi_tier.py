@@ -42,7 +42,7 @@ from s3_checkpoint import start_server
 from orbit_pt import CheckpointManager, CheckpointManagerOptions, LocalTierOptions
 
 
-def _training_state(size_mb: int, width: int = 1024) -> tuple[torch.nn.Module, Any]:
+def _training_state(size_mb: int, width: int = 1024) -> tuple[torch.nn.Sequential, Any]:
     """A model of ``size_mb`` MB of fp32 weights and its AdamW state after one step (3x)."""
     layers = max(1, size_mb * 2**20 // (4 * width * width))
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
@@ -189,7 +189,7 @@ def main() -> None:
                 with CheckpointManager(url, options=options, storage_options=mirror) as mgr:
                     for step in range(1, 1 + args.saves):
                         with torch.no_grad():
-                            model[0].weight.add_(1.0)  # "training" between saves
+                            next(model.parameters()).add_(1.0)  # "training" between saves
                         started = time.perf_counter()
                         mgr.save(step, items)
                         elapsed = time.perf_counter() - started
