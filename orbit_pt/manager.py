@@ -393,6 +393,9 @@ class CheckpointManager:
             persistent, local = self._due(step)
             if not (persistent or local):
                 return False
+        # A lane's save that already failed is raised now, whichever tier this step goes to.
+        self._background.raise_failure()
+        self._local_background.raise_failure()
         preemption = self._agreement.agreed
         if preemption:  # both lanes finish first; the preemption save is synchronous
             self._wait_all(reason=f"preemption save of step {step}")

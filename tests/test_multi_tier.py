@@ -349,6 +349,30 @@ def test_async_local_saves_do_not_wait_for_a_persistent_save_in_flight(tmp_path:
         mgr.close()
 
 
+def test_a_failed_background_save_of_either_tier_is_raised_by_the_next_save(
+    tmp_path: Path,
+) -> None:
+    model, opt = _build(shard=False)
+    items = {"model": model, "optimizer": opt}
+    with _single(tmp_path, persistent_interval=4, async_save=True) as mgr:
+        local = mgr._local
+        assert local is not None
+        local.store.commit = _raiser(OSError(28, "No space left on device"))  # type: ignore[method-assign]
+        mgr.save(2, items)  # local only; its background commit fails
+        deadline = time.monotonic() + 60
+        while mgr.is_saving_in_progress() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # Step 3 is no save step of either tier; step 4 is, and it raises step 2's failure.
+        assert mgr.save(3, items) is False
+        with pytest.raises(CheckpointSaveError, match="No space left on device"):
+            mgr.save(4, items)
+        local.store.__dict__.pop("commit")
+        assert mgr.save(4, items)
+        mgr.wait_until_finished()
+        assert mgr.all_steps(tier="local") == [4]
+        assert mgr.all_steps(tier="persistent") == [4]
+
+
 def test_topology_spreads_replicas_over_other_nodes() -> None:
     keys = [["a", 1, 1], ["a", 1, 1], ["b", 1, 1], ["b", 1, 1], ["c", 1, 1], ["c", 1, 1]]
     topo = Topology.from_keys(keys, replicas=2)

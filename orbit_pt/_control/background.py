@@ -89,6 +89,12 @@ class BackgroundSaver:
         with self._cond:
             self._wait_locked(reason)
 
+    def raise_failure(self) -> None:
+        """Raise the failure of a job that has already finished, without waiting for a job in
+        flight (a multi-tier save checks the other tier's lane this way)."""
+        with self._cond:
+            self._raise_pending()
+
     def _wait_locked(self, reason: str | None) -> None:
         target = self._submitted
         thread, step = self._thread, self._step
