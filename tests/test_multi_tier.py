@@ -478,11 +478,23 @@ def _fail_at(rank: int, world: int, base: str, point: str) -> None:
             local._write = _raiser(OSError(28, "No space left on device"))  # type: ignore[method-assign]
         if rank == 1 and point == "replicate":
             local.corrupt_sends = lambda chunk: chunk.__setitem__(0, chunk[0] ^ 0xFF)
+        if rank == 0 and point == "receive":  # rank 0 cannot create the replica's folder
+            fresh_tmp = local.store.fresh_tmp
+
+            def unwritable(step: int, shard: int, *, create: bool = True) -> Path:
+                if create:
+                    return fresh_tmp(step, shard)
+                return Path("/proc/orbit-pt-cannot-write-here")
+
+            local.store.fresh_tmp = unwritable  # type: ignore[method-assign,assignment]
         if rank == 1 and point == "commit":
             local.store.commit = _raiser(OSError(5, "Input/output error"))  # type: ignore[method-assign]
+        started = time.monotonic()
         with pytest.raises(CheckpointSaveError) as raised:
             mgr.save(4, {"model": model, "optimizer": opt})
         assert "rank(s) [1]" in str(raised.value) or "rank(s) [0]" in str(raised.value)
+        # Every rank learned it at once: nobody waited for the 60 s agreement timeout.
+        assert time.monotonic() - started < 30
         assert mgr.all_steps(tier="local") == [2]
         assert mgr.latest_step() == 2
         # Nothing of step 4 is left on this node: no uncommitted folder, no committed shard.
@@ -496,6 +508,7 @@ def _fail_at(rank: int, world: int, base: str, point: str) -> None:
             local.corrupt_sends = None
             local.__dict__.pop("_write", None)
             local.store.__dict__.pop("commit", None)
+        local.store.__dict__.pop("fresh_tmp", None)
         mgr.save(6, {"model": model, "optimizer": opt})
         assert mgr.all_steps(tier="local") == [2, 6]
 
@@ -508,7 +521,7 @@ def _raiser(error: Exception) -> Any:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("point", ["write", "replicate", "commit"])
+@pytest.mark.parametrize("point", ["write", "replicate", "receive", "commit"])
 def test_one_rank_failing_in_a_local_save_fails_it_everywhere(tmp_path: Path, point: str) -> None:
     run_ranks(2, _fail_at, str(tmp_path), point, timeout=TIMEOUT)
 

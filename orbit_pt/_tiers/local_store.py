@@ -71,10 +71,13 @@ class LocalStore:
     def shard_path(self, step: int, rank: int) -> Path:
         return self.root / step_name(step) / rank_name(rank)
 
-    def fresh_tmp(self, step: int, rank: int) -> Path:
-        """An empty folder to write (or receive) rank ``rank``'s shard of ``step`` into."""
+    def fresh_tmp(self, step: int, rank: int, *, create: bool = True) -> Path:
+        """An empty folder to write rank ``rank``'s shard of ``step`` into. ``create=False``:
+        only its unique name (a receiver creates it as the first bytes arrive, so that failing
+        to create it is reported after the stream, never leaving its sender waiting)."""
         tmp = self.root / TMP_DIR / f"{step_name(step)}.{rank_name(rank)}.{uuid.uuid4().hex}"
-        tmp.mkdir(parents=True)
+        if create:
+            tmp.mkdir(parents=True)
         return tmp
 
     # ------------------------------------------------------------------------------ writing

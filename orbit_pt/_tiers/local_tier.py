@@ -165,7 +165,7 @@ class LocalTier:
                 for shard in range(self.world_size):
                     for node in self.topology.homes(shard)[1:]:
                         if self.topology.holder(shard, node) == rank:
-                            tmp = self.store.fresh_tmp(step, shard)
+                            tmp = self.store.fresh_tmp(step, shard, create=False)
                             folders[shard] = tmp
                             incoming.append(Incoming(shard, tmp, manifests[shard], shard))
                 exchange(dist, outgoing, incoming, corrupt=self.corrupt_sends)
@@ -306,7 +306,7 @@ class LocalTier:
                 folder = self.store.shard_path(plan.step, shard)
                 outgoing.append(Outgoing(destination, folder, plan.files[shard], shard))
             if destination == rank:
-                tmp = self.store.fresh_tmp(plan.step, shard)
+                tmp = self.store.fresh_tmp(plan.step, shard, create=False)
                 folders[shard] = tmp
                 incoming.append(Incoming(source, tmp, plan.files[shard], shard))
                 if shard == rank:

@@ -81,12 +81,18 @@ class _Sender:
         self.chunks = _chunks(self.out.files)
 
     def read(self, index: int) -> torch.Tensor:
+        """The chunk's bytes. A file that cannot be read, or is short, is recorded as this
+        stream's error and zeros are sent instead: the receiver must not wait forever."""
         chunk = self.chunks[index]
-        with open(self.out.folder / chunk.rel, "rb") as f:
-            f.seek(chunk.offset)
-            data = f.read(chunk.size)
+        data = b""
+        try:
+            with open(self.out.folder / chunk.rel, "rb") as f:
+                f.seek(chunk.offset)
+                data = f.read(chunk.size)
+        except OSError as exc:
+            if self.error is None:
+                self.error = exc
         if len(data) != chunk.size and self.error is None:
-            # Still send the agreed number of bytes: the receiver must not wait forever.
             self.error = CorruptCheckpointError(
                 f"{self.out.folder / chunk.rel} is shorter than its marker's "
                 f"{self.out.files[chunk.rel]['size']} bytes"
@@ -104,12 +110,16 @@ class _Receiver:
 
     def __post_init__(self) -> None:
         self.chunks = _chunks(self.inc.files)
-        for rel, recorded in sorted(self.inc.files.items()):
-            if int(recorded["size"]) == 0:
-                path = self.inc.folder / rel
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(b"")
-                self._check(rel, _checksum.of_bytes(b""))
+        try:
+            self.inc.folder.mkdir(parents=True, exist_ok=True)
+            for rel, recorded in sorted(self.inc.files.items()):
+                if int(recorded["size"]) == 0:
+                    path = self.inc.folder / rel
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_bytes(b"")
+                    self._check(rel, _checksum.of_bytes(b""))
+        except OSError as exc:  # kept: the stream is still received (and dropped)
+            self.error = exc
 
     def take(self, index: int, data: torch.Tensor) -> None:
         """Write a received chunk. A failure (a full disk) is kept, not raised, and the rest of
