@@ -117,7 +117,7 @@ def load_pretrained(
     distributed = dist.is_available() and dist.is_initialized()
     started = time.perf_counter()
 
-    def load() -> Path:
+    def load(collective: Collective | None = None) -> Path:
         folder = _model_folder(path)
         if peft_model(model) is not None and _holds_model(folder):
             raise CheckpointTypeError(
@@ -134,6 +134,9 @@ def load_pretrained(
             rank=dist.get_rank() if distributed else 0,
             world_size=dist.get_world_size() if distributed else 1,
             saved_world_size=1,
+            # Agrees on the plan before any rank moves rows to a peer (tensor parallelism),
+            # and on which keys no rank holds (pipeline stages each hold some).
+            collective=collective,
         )
         ModelHandler(strict=strict, device=device).restore(folder, model, context)
         return folder
@@ -145,7 +148,9 @@ def load_pretrained(
         collective = Collective()
         try:
             folder = collective.run_everywhere(
-                "orbit_pt.load_pretrained", load, label=f"loading {os.fspath(path)}"
+                "orbit_pt.load_pretrained",
+                lambda: load(collective),
+                label=f"loading {os.fspath(path)}",
             )
         finally:
             collective.close()

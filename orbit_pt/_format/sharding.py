@@ -1,20 +1,14 @@
-"""Which bytes of a safetensors file each rank writes and reads, for FSDP2 and other DTensors.
+"""Which bytes of a safetensors file each rank writes and reads, for any DTensor layout.
 
-FSDP2 shards every parameter on dim 0, so a rank's local shard is a block of whole rows of the
-full tensor -- one contiguous byte range of it in a safetensors file. A save therefore needs no
-gathering: every rank computes the same file plan from global names, dtypes and shapes, rank 0
-creates each file (header, final length), and after one agreement every rank ``pwrite``\\ s its
-rows at ``tensor start + first row * row bytes``. A restore reads only the rows a rank holds,
-straight into its local shard, whatever the number of ranks that wrote the file.
-
-What each rank writes of one tensor is a :class:`Piece`:
-
-- a plain tensor (a buffer, an unsharded model, Adam's ``step``) is written whole by rank 0;
-- a DTensor whose placements are ``Shard(0)``/``Replicate`` only (FSDP2, HSDP) is written as row
-  blocks, each by one rank: the one with coordinate 0 on every replicated mesh dimension;
-- any other layout (``Shard(1)`` from tensor parallelism, ``_StridedShard``, ``Partial``) is
-  gathered with ``full_tensor()`` -- a collective on the tensor's own mesh, so it runs while
-  staging, on the training thread -- and written whole by the mesh's first rank, with a log line.
+A rank's part of a tensor in a row-major file is one byte range when it is a block of whole
+rows (FSDP2's ``Shard(0)``, and FSDP x TP's ``_StridedShard(0)``). A save needs no gathering:
+every rank computes the same file plan from global names, dtypes and shapes, rank 0 creates each
+file (header, final length), and after one agreement every rank ``pwrite``\\ s its rows at
+``tensor start + first row * row bytes``. Any other layout (``Shard(1)``, 2-D meshes, experts
+sharded on another dimension) is first moved to rows inside its replica group by
+:mod:`._layouts` (point-to-point, at most a shard per rank). Ranks may hold different tensors
+(pipeline stages): :func:`settle` agrees on their union and on who writes each tensor once.
+A restore reads only each rank's rows, whatever wrote them. See docs/layouts.md.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +26,7 @@ import torch
 from orbit_pt._control.collective import Collective
 from orbit_pt._format import checksum as _checksum
 from orbit_pt._format import coverage as _coverage
+from orbit_pt._format import layouts as _layouts
 from orbit_pt._format.checksum import Checksum
 from orbit_pt._format.direct_io import RangeWriter
 from orbit_pt._format.safetensors import (
@@ -41,6 +36,7 @@ from orbit_pt._format.safetensors import (
     create_file,
     fits_in_place,
     tensor_bytes,
+    torch_dtype_name,
 )
 from orbit_pt._format.staging import StagingPool
 from orbit_pt.errors import CheckpointValueError, CorruptCheckpointError
@@ -48,8 +44,7 @@ from orbit_pt.errors import CheckpointValueError, CorruptCheckpointError
 logger = logging.getLogger(__name__)
 
 try:  # torch.distributed is optional in some torch builds
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - builds without torch.distributed
     DTensor = None  # type: ignore[assignment,misc]
 
@@ -64,12 +59,21 @@ class Piece:
         data: the rows this rank writes, starting at global row ``row``; None when another
             rank writes them (or there are none).
         row: the first global row of ``data`` (0 for a whole tensor).
+        holder: a DTensor's mesh (its global ranks): the ranks that hold the tensor and decide
+            among themselves who writes it; None for a plain tensor.
+        pending: rows still to be moved from the replica group's boxes (see :func:`settle`),
+            as a call returning ``(first row, rows)``; None when ``data`` is final.
+        private: ``data`` is memory of the save's own (moved rows), not the model's: an async
+            save need not copy it again when it is already in host memory.
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     data: torch.Tensor | None
     row: int = 0
+    holder: tuple[int, ...] | None = None
+    pending: Callable[[], tuple[int, torch.Tensor]] | None = None
+    private: bool = False
 
 
 def is_dtensor(tensor: Any) -> bool:
@@ -82,59 +86,177 @@ def row_block(tensor: Any) -> tuple[int, int, bool] | None:
     ``writes`` says whether this rank is the one replica that writes the block. A 0-dim tensor
     counts as one row.
     """
-    placements = tuple(tensor.placements)
-    if not all(isinstance(p, Replicate) or (type(p) is Shard and p.dim == 0) for p in placements):
-        return None
-    mesh = tensor.device_mesh
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:  # not part of this tensor's mesh: nothing to write or read
+    layout = _layouts.layout_of(tensor)
+    if layout is None:  # not part of this tensor's mesh: nothing to write or read
         return 0, 0, False
-    shape = tuple(tensor.shape)
-    if not shape:
-        first, rows = 0, 1
-    else:
-        local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
-        if tuple(local_shape[1:]) != shape[1:] or any(offset[1:]):
-            return None
-        first, rows = int(offset[0]), int(local_shape[0])
-    writes = all(
-        c == 0 for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Replicate)
-    )
-    return first, rows, writes
+    box = layout.box
+    if not layout.shape:
+        return 0, 1, layout.writes
+    if not box.is_rows(layout.shape):
+        return None
+    return box.offset[0], box.shape[0], layout.writes
 
 
 def piece_of(name: str, tensor: torch.Tensor, *, rank: int) -> Piece:
-    """What this rank writes of ``tensor``; gathers layouts that are not row blocks.
+    """What this rank writes of ``tensor``; never gathers.
 
-    Collective for a DTensor that needs gathering: call it on every rank of its mesh, for the
-    same tensors in the same order, on the training thread.
+    A plain tensor is kept on every rank until :func:`settle` picks its one writer. A DTensor
+    whose local shard is not whole rows gets a ``pending`` move to rows, which :func:`settle`
+    runs (collective within the tensor's replica group).
     """
     shape, dtype = tuple(tensor.shape), tensor.dtype
     if not is_dtensor(tensor):
-        return Piece(shape, dtype, tensor.detach() if rank == 0 else None)
-    block = row_block(tensor)
-    if block is not None:
-        first, rows, writes = block
-        local = tensor.to_local().detach()  # type: ignore[attr-defined]
+        return Piece(shape, dtype, tensor.detach())
+    layout = _layouts.layout_of(tensor)
+    if layout is None:
+        return Piece(shape, dtype, None)
+    holder = layout.mesh_ranks
+    local = tensor.to_local().detach()  # type: ignore[attr-defined]
+    box = layout.box
+    if not shape or box.is_rows(shape):
+        rows = box.shape[0] if shape else 1
         if shape and local.shape[0] != rows:
             raise CheckpointValueError(
                 f"tensor {name!r}: rank {rank} holds {tuple(local.shape)} of {shape}, but its "
-                f"placements {tensor.placements} say {rows} row(s) from row {first}; the "  # type: ignore[attr-defined]
-                "DTensor is inconsistent -- save it after the optimizer step completes"
+                f"placements {tensor.placements} say {rows} row(s) from row {box.offset[0]}; "  # type: ignore[attr-defined]
+                "the DTensor is inconsistent -- save it after the optimizer step completes"
             )
-        return Piece(shape, dtype, local if writes and rows else None, first if shape else 0)
-    mesh = tensor.device_mesh  # type: ignore[attr-defined]
-    logger.info(
-        "tensor %r has placements %s on a mesh of shape %s, which are not blocks of whole rows; "
-        "gathering it with full_tensor() to write it from one rank",
-        name,
-        tensor.placements,  # type: ignore[attr-defined]
-        tuple(mesh.shape),
+        data = local if layout.writes and rows else None
+        return Piece(shape, dtype, data, box.offset[0] if shape else 0, holder)
+    if tuple(local.shape) != box.shape:
+        raise CheckpointValueError(
+            f"tensor {name!r}: rank {rank} holds {tuple(local.shape)} of {shape}, but its "
+            f"placements {tensor.placements} say {box.shape}; the DTensor is inconsistent -- "  # type: ignore[attr-defined]
+            "save it after the optimizer step completes"
+        )
+    if not layout.writes:
+        return Piece(shape, dtype, None, 0, holder)
+
+    def move() -> tuple[int, torch.Tensor]:
+        rows_box, rows = _layouts.to_rows(layout, local)
+        return rows_box.offset[0], rows
+
+    return Piece(shape, dtype, None, 0, holder, move)
+
+
+def settle(
+    pieces: Mapping[str, Piece],
+    *,
+    rank: int,
+    world_size: int,
+    collective: Collective | None,
+    what: str,
+) -> dict[str, Piece]:
+    """:func:`settle_union` without a value to gather: the agreed pieces only."""
+    return settle_union(pieces, rank=rank, world_size=world_size, collective=collective, what=what)[
+        0
+    ]
+
+
+def settle_union(
+    pieces: Mapping[str, Piece],
+    *,
+    rank: int,
+    world_size: int,
+    collective: Collective | None,
+    what: str,
+    extra: Any = None,
+) -> tuple[dict[str, Piece], list[Any] | None]:
+    """Every rank's pieces of one item, agreed: the union of the tensors, each written once.
+
+    When every rank holds the same tensors (data parallel, FSDP, TP) this is one small
+    agreement and plain tensors are written by rank 0. When they differ (pipeline stages), the
+    ranks' names, dtypes, shapes and meshes are gathered; the result lists every tensor of any
+    rank, in order of the first rank holding it, and a tensor is written by the lowest rank
+    holding it (a DTensor: by that rank's mesh). The same name with another dtype or shape on
+    two ranks is an error. Then the pending moves to rows run, in that order, on every rank.
+
+    Call it on every rank, for the same item; it must not run inside a thread pool.
+
+    Returns the pieces, and -- only when the ranks hold different tensors -- every rank's
+    ``extra`` (JSON-able) on rank 0 (an empty list on the others); None when they hold the
+    same, or on one process.
+    """
+    if world_size == 1 or collective is None or not collective.enabled:
+        return _resolved(pieces), None
+    mine = [[n, torch_dtype_name(p.dtype), list(p.shape), p.holder] for n, p in pieces.items()]
+    digest = hashlib.sha256(repr(mine).encode()).hexdigest()[:16]
+    _, digests = collective.agree(
+        "orbit_pt.handler.tensors",
+        lambda: None,
+        label=f"agreeing on the tensors of {what}",
+        share=lambda _: digest,
     )
-    full = tensor.full_tensor().detach()  # type: ignore[attr-defined]
-    coordinate = mesh.get_coordinate()
-    first_rank = coordinate is not None and all(c == 0 for c in coordinate)
-    return Piece(shape, dtype, full.to("cpu") if first_rank else None)
+    if len(set(digests)) == 1:
+        same = {
+            n: p if p.holder is not None or rank == 0 else replace(p, data=None)
+            for n, p in pieces.items()
+        }
+        return _resolved(same), None
+    _, held = collective.agree(
+        "orbit_pt.handler.union",
+        lambda: None,
+        label=f"gathering the tensors each rank holds of {what}",
+        share=lambda _: [[n, d, s, h if h is not None else [rank]] for n, d, s, h in mine],
+    )
+    union: dict[str, tuple[str, list[int], list[int], int]] = {}
+    conflicts: list[str] = []
+    for holder_rank, entries in enumerate(held):
+        for name, dtype, shape, mesh in entries:
+            seen = union.get(name)
+            if seen is None:
+                union[name] = (dtype, shape, mesh, holder_rank)
+            elif (seen[0], seen[1]) != (dtype, shape):
+                conflicts.append(
+                    f"{name}: rank {seen[3]} holds {seen[0]} {seen[1]}, rank {holder_rank} "
+                    f"holds {dtype} {shape}"
+                )
+    extras: list[Any] = []
+    if extra is not None:
+        _, extras = collective.agree(
+            "orbit_pt.handler.union_extra",
+            lambda: None,
+            label=f"gathering what each rank holds of {what}",
+            share=lambda _: extra,
+            to_primary=True,
+        )
+    if conflicts:
+        raise CheckpointValueError(
+            f"{what}: {len(conflicts)} tensor(s) are held by several ranks with different "
+            f"dtypes or global shapes ({'; '.join(conflicts[:5])}); every rank that holds a "
+            "tensor of a given name must hold the same tensor (pipeline stages use the "
+            "model's global names, and share only tensors that are the same)"
+        )
+    settled: dict[str, Piece] = {}
+    for name, (dtype, shape, mesh, _) in union.items():
+        piece = pieces.get(name)
+        own = [rank] if piece is None or piece.holder is None else list(piece.holder)
+        if piece is not None and own == mesh:
+            settled[name] = piece
+        elif piece is not None:
+            settled[name] = Piece(piece.shape, piece.dtype, None)
+        else:
+            settled[name] = Piece(tuple(shape), _dtype(dtype), None)
+    return _resolved(settled), extras
+
+
+def _resolved(pieces: Mapping[str, Piece]) -> dict[str, Piece]:
+    """``pieces`` with every pending move to rows run, in order."""
+    out: dict[str, Piece] = {}
+    for name, piece in pieces.items():
+        if piece.pending is None:
+            out[name] = piece
+            continue
+        first, rows = piece.pending()
+        data = rows if rows.numel() else None
+        out[name] = replace(piece, data=data, row=first, pending=None, private=True)
+    return out
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name)  # a name torch_dtype_name wrote on another rank
+    assert isinstance(dtype, torch.dtype)
+    return dtype
 
 
 def plan_digest(files: Sequence[PlannedFile]) -> str:
@@ -191,8 +313,9 @@ def write_files(
             differ = [r for r, d in enumerate(digests) if d != digests[0]]
             raise CheckpointValueError(
                 f"{what}: rank(s) {differ} planned different files than rank 0 (tensor names, "
-                "dtypes or global shapes differ between ranks); every rank must save the same "
-                "model -- pipeline-parallel stages are not supported by this handler"
+                "dtypes or global shapes differ between ranks, or the ranks' handlers are "
+                "configured differently, e.g. max_shard_size or export_dtype); every rank must "
+                "save the item with the same handler settings"
             )
     else:
         for f in files:
@@ -282,34 +405,52 @@ def _row_bytes(entry: TensorEntry) -> int:
 # ------------------------------------------------------------------------------------ restore
 
 
+def needs_exchange(like: Any) -> bool:
+    """Whether reading this rank's part of the DTensor ``like`` moves rows between ranks
+    (its local shard is not whole rows); such reads are collective within its replica group
+    and must run in the same order on every rank, never in a thread pool."""
+    return is_dtensor(like) and row_block(like) is None
+
+
 def read_local(
     reader: SafetensorsReader, name: str, like: Any, out: torch.Tensor | None
 ) -> torch.Tensor:
     """This rank's part of tensor ``name``, laid out like the DTensor ``like``.
 
-    Row blocks are read straight from the file into ``out`` (or a new tensor); other layouts
-    read the whole tensor and keep this rank's slice of it. The result has the file's dtype
-    unless it was read into ``out``.
+    Row blocks are read straight from the file into ``out`` (or a new tensor). Any other layout
+    is read as the replica group's even share of whole rows -- each member reads its own rows
+    once -- and moved into the members' boxes (:func:`._layouts.from_rows`): no rank reads or
+    holds more than its share. The result has the file's dtype unless it was read into ``out``.
     """
     entry = reader.entries[name]
-    block = row_block(like)
-    if block is None:
-        logger.info(
-            "tensor %r has placements %s, which are not blocks of whole rows; reading it whole "
-            "from %s and keeping this rank's part",
-            name,
-            like.placements,
-            reader.where,
+    layout = _layouts.layout_of(like)
+    if layout is None:
+        if out is None:
+            raise CheckpointValueError(
+                f"tensor {name!r}: this rank is not on the DTensor's mesh and has nothing to read"
+            )
+        return out
+    box = layout.box
+    if not entry.shape or box.is_rows(entry.shape):
+        return _read_rows(reader, entry, box, out)
+    local = like.to_local()
+    target = (
+        out if out is not None else torch.empty(box.shape, dtype=local.dtype, device=local.device)
+    )
+    if tuple(target.shape) != box.shape:
+        raise CorruptCheckpointError(
+            f"{reader.where}: {name!r} does not fit its DTensor's local shard {tuple(target.shape)}"
         )
-        full = reader.read(name).to(like.to_local().device, like.dtype)
-        local = distribute_tensor(
-            full, like.device_mesh, like.placements, src_data_rank=None
-        ).to_local()
-        if out is not None:
-            out.copy_(local)
-            return out
-        return local
-    first, rows, _ = block
+    _layouts.from_rows(layout, lambda rows: _read_rows(reader, entry, rows, None), target)
+    return target
+
+
+def _read_rows(
+    reader: SafetensorsReader, entry: TensorEntry, box: _layouts.Box, out: torch.Tensor | None
+) -> torch.Tensor:
+    """The whole rows of ``box``, read from the file into ``out`` (or a new tensor)."""
+    name = entry.name
+    first, rows = (box.offset[0], box.shape[0]) if entry.shape else (0, 1)
     local_shape = (rows, *entry.shape[1:]) if entry.shape else ()
     direct = out is not None and fits_in_place(out, entry.dtype, local_shape)
     buffer = out if direct else torch.empty(local_shape, dtype=entry.dtype)
@@ -330,6 +471,15 @@ def read_local(
 
 
 def stage_pieces(pool: StagingPool, pieces: Mapping[str, Piece]) -> dict[str, Piece]:
-    """``pieces`` with their data copied into ``pool``'s reused host buffers (for async saves)."""
-    copies = pool.copy_all({n: p.data for n, p in pieces.items() if p.data is not None})
-    return {n: p if p.data is None else replace(p, data=copies[n]) for n, p in pieces.items()}
+    """``pieces`` with their data copied into ``pool``'s reused host buffers (for async saves).
+
+    Rows moved between ranks are already a copy of the save's own; on the CPU they are kept.
+    """
+    copies = pool.copy_all(
+        {n: p.data for n, p in pieces.items() if p.data is not None and not _kept(p)}
+    )
+    return {n: replace(p, data=copies[n]) if n in copies else p for n, p in pieces.items()}
+
+
+def _kept(piece: Piece) -> bool:
+    return piece.private and piece.data is not None and piece.data.device.type == "cpu"

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from orbit_pt._format import layouts as _layouts
 from orbit_pt._format.sharding import Piece, is_dtensor, piece_of, row_block
 from orbit_pt.errors import CorruptCheckpointError
 from orbit_pt.handlers._wrappers import unwrap
@@ -287,13 +288,8 @@ def hub_pieces(
             name = layout.renamed[key]
             pieces[name] = piece_of(name, tensor, rank=rank)
             continue
-        block = row_block(tensor) if key in layout.rows and is_dtensor(tensor) else None
-        if block is not None:
-            first, count, writes = block
-            local = tensor.to_local().detach()  # type: ignore[attr-defined]
-            made = layout.rows_to_hub(key, local, first) if writes and count else {}
-            for name in layout.hub_names(key):
-                pieces[name] = Piece(layout.shapes[name], tensor.dtype, made.get(name))
+        if key in layout.rows and is_dtensor(tensor):
+            pieces.update(_row_pieces(layout, key, tensor))
             continue
         if is_dtensor(tensor):
             logger.info(
@@ -310,6 +306,51 @@ def hub_pieces(
                 dtype = state[layout.sources[name]].dtype
                 pieces[name] = Piece(layout.shapes[name], dtype, made.get(name))
     return pieces
+
+
+def _row_pieces(layout: HubLayout, key: str, tensor: Any) -> dict[str, Piece]:
+    """The Hub tensors that the rows of the DTensor ``tensor`` convert to, by row.
+
+    Whole rows (experts sharded on dim 0, expert parallelism's usual layout) convert at once;
+    any other layout (experts also sharded by tensor parallelism) is first moved to an even
+    share of whole rows in its replica group, when the pieces are settled.
+    """
+    names = layout.hub_names(key)
+    shard = _layouts.layout_of(tensor)
+    if shard is None:
+        return {name: Piece(layout.shapes[name], tensor.dtype, None) for name in names}
+    holder = shard.mesh_ranks
+    local = tensor.to_local().detach()
+    if not shard.writes:
+        return {name: Piece(layout.shapes[name], tensor.dtype, None, 0, holder) for name in names}
+    block = row_block(tensor)
+    if block is not None:
+        first, count, _ = block
+        made = layout.rows_to_hub(key, local, first) if count else {}
+        return {
+            name: Piece(layout.shapes[name], tensor.dtype, made.get(name), 0, holder)
+            for name in names
+        }
+    converted: dict[str, torch.Tensor] = {}
+
+    def convert() -> None:
+        if not converted:
+            box, rows = _layouts.to_rows(shard, local)
+            made = layout.rows_to_hub(key, rows, box.offset[0]) if rows.numel() else {}
+            empty = torch.empty(0, dtype=tensor.dtype)
+            converted.update({name: made.get(name, empty) for name in names})
+
+    def pending(name: str) -> Callable[[], tuple[int, torch.Tensor]]:
+        def run() -> tuple[int, torch.Tensor]:
+            convert()  # the first name of the key moves the rows; the others reuse them
+            return 0, converted.pop(name)
+
+        return run
+
+    return {
+        name: Piece(layout.shapes[name], tensor.dtype, None, 0, holder, pending(name))
+        for name in names
+    }
 
 
 # ------------------------------------------------------------------ transformers' conversions

@@ -68,6 +68,7 @@ def fit(
     hyperparameters: str,
     item: str,
     directory: Path,
+    unexpected_ok: bool = False,
 ) -> Fit:
     """Check that the saved ``structure`` fits ``optimizer`` and decide how to load it.
 
@@ -79,6 +80,9 @@ def fit(
         hyperparameters: "auto", "live" or "saved" (see ``OptimizerHandler``).
         item: the optimizer's item name, for the fix in messages.
         directory: the item's folder, for messages.
+        unexpected_ok: do not refuse saved parameters the optimizer lacks, even when
+            ``strict`` (the caller checks them against every rank's optimizer: pipeline
+            stages each update some).
 
     Raises:
         StateMismatchError: listing every way the state does not fit.
@@ -100,9 +104,10 @@ def fit(
             "options that change its state, such as amsgrad), or leave the optimizer out of "
             "the restore."
         )
-    if strict and (missing or unexpected):
+    refused = [] if unexpected_ok else unexpected
+    if strict and (missing or refused):
         problems += [f"{name} is in the optimizer but not in the checkpoint" for name in missing]
-        problems += [f"{name} is in the checkpoint but not in the optimizer" for name in unexpected]
+        problems += [f"{name} is in the checkpoint but not in the optimizer" for name in refused]
         fixes.append(
             "To restore the parameters both have and leave the others as they are, pass "
             f"CheckpointManager(..., handlers={{{item!r}: OptimizerHandler(strict=False)}})."

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from orbit_pt._format import layouts as _layouts
 from orbit_pt._format.remote_files import for_each, is_file, names_in
 from orbit_pt._format.safe_open import read_json_object
 from orbit_pt._format.safetensors import (
@@ -53,9 +54,11 @@ from orbit_pt._format.safetensors import (
 from orbit_pt._format.sharding import (
     Piece,
     is_dtensor,
+    needs_exchange,
     piece_of,
     read_local,
     row_block,
+    settle,
     stage_pieces,
     write_files,
 )
@@ -369,8 +372,8 @@ class ModelHandler:
     def _collect(self, module: torch.nn.Module, context: HandlerContext) -> _StagedModel:
         """What this rank writes (one piece per tied group, still the module's own memory).
 
-        Collective when a DTensor must be gathered (a layout that is not FSDP2's row blocks):
-        every rank collects the same tensors in the same order.
+        Collective (:func:`~orbit_pt._format.sharding.settle`): every rank calls it for the same
+        item, at the same point.
         """
         peft_model = _peft.peft_model(module)
         if peft_model is not None:
@@ -394,7 +397,18 @@ class ModelHandler:
             if context.rank == 0  # the only rank that writes them
             else {}
         )
+        tensors = self._settle(tensors, context)
         return _StagedModel(tensors, tied, documents)
+
+    def _settle(self, tensors: Mapping[str, Piece], context: HandlerContext) -> dict[str, Piece]:
+        """Every rank's tensors agreed (their union under pipeline stages), each with one writer."""
+        return settle(
+            tensors,
+            rank=context.rank,
+            world_size=context.world_size,
+            collective=context.collective,
+            what=f"the model of step {context.step}",
+        )
 
     def _collect_adapters(self, model: Any, context: HandlerContext) -> _StagedModel:
         parts = _peft.adapter_parts(model)
@@ -416,7 +430,7 @@ class ModelHandler:
                 bases,
             )
         adapters = tuple(replace(part, tensors={}) for part in parts)  # drop the live tensors
-        return _StagedModel(tensors, {}, {}, adapters)
+        return _StagedModel(self._settle(tensors, context), {}, {}, adapters)
 
     def _file_dtype(self, dtype: torch.dtype) -> torch.dtype:
         if self.export_dtype is not None and dtype.is_floating_point:
@@ -452,7 +466,7 @@ class ModelHandler:
 
     def restore(self, directory: Path, target: Any | None, context: HandlerContext) -> Any:
         if _peft.adapter_folders(directory) and not _has_model_files(directory):
-            return self._restore_adapters(directory, target)
+            return self._restore_adapters(directory, target, context)
         readers = open_model_folder(directory)
         if target is None:
             return {name: reader.read(name) for name, reader in readers.items()}
@@ -460,15 +474,17 @@ class ModelHandler:
         meta = any(is_meta(t) for t in (*module.parameters(), *module.buffers()))
         state = canonical_state(module, keep_vars=meta)
         layout = _layout_of(module, state)
-        plan = self._plan_restore(directory, state, readers, layout)  # refuse before changing
+        plan = self._plan_restore(directory, state, readers, layout, context)  # refuse first
         if meta:
             self._materialize(module, directory, state, plan.filled)
             state = canonical_state(module)
-            plan = self._plan_restore(directory, state, readers, layout)
+            plan = self._plan_restore(directory, state, readers, layout, context)
         self._read(directory, plan, readers, layout)
         return module
 
-    def _restore_adapters(self, directory: Path, target: Any | None) -> Any:
+    def _restore_adapters(
+        self, directory: Path, target: Any | None, context: HandlerContext
+    ) -> Any:
         """PEFT adapters: only their weights, in place, into the live PeftModel's adapters."""
         saved = _peft.open_adapter_folders(directory)
         if target is None:
@@ -498,7 +514,10 @@ class ModelHandler:
                 "or restore with ModelHandler(strict=False) to skip them.",
             )
         plans = [  # every adapter planned before any is read: all or nothing
-            (folder, self._plan_restore(directory / folder, state, saved.get(folder, {}), None))
+            (
+                folder,
+                self._plan_restore(directory / folder, state, saved.get(folder, {}), None, context),
+            )
             for folder, state in targets.items()
         ]
         for folder, plan in plans:
@@ -541,13 +560,18 @@ class ModelHandler:
                 readers[name].read_into(name, tensor)
 
         remote = any(reader.is_remote for reader in readers.values())
-        loads = plan.loads
+        # Layouts that are not whole rows move rows between ranks: in plan order, on this
+        # thread, never in the pool (the same order on every rank of the replica group).
+        moved = [planned for planned in plan.loads if needs_exchange(planned[1])]
+        loads = [planned for planned in plan.loads if not needs_exchange(planned[1])]
         if remote:  # in file order: each run of small tensors is then fetched once
             loads = sorted(
                 loads, key=lambda planned: _file_position(readers[planned[0]], planned[0])
             )
         with torch.no_grad():
             for_each(loads, load, remote=remote)
+            for planned in moved:
+                load(planned)
             if plan.converted:
                 assert layout is not None
                 _read_converted(layout, plan.converted, readers)
@@ -593,8 +617,14 @@ class ModelHandler:
         state: Mapping[str, torch.Tensor],
         readers: Mapping[str, SafetensorsReader],
         layout: HubLayout | None,
+        context: HandlerContext,
     ) -> _RestorePlan:
         """What to read into which tensor; every problem is raised at once, before any read.
+
+        Under torch.distributed (with the context's collective) the ranks agree here: a rank
+        whose model does not fit fails every rank before any rank reads, and a tensor of the
+        folder is unexpected only when *no* rank's model has it (pipeline stages each hold
+        some of the tensors).
 
         A tensor is read under its own name when the folder has it (orbit_pt's folders before
         the Hub layout, and every model whose layout is its state dict); otherwise, for a
@@ -661,20 +691,34 @@ class ModelHandler:
                     plan.converted.append((key, tensor))
                 plan.filled.update(group)
         unexpected = [name for name in readers if name not in consumed]
-        problems = [f"mismatched {line}" for line in mismatched]
-        if self.strict:
-            problems += [f"missing from the checkpoint: {name}" for name in missing]
-            problems += [f"unexpected (not in the model): {name}" for name in unexpected]
-        hint = wrapper_hint(missing, unexpected)
-        raise_mismatches(
-            problems,
+        summary = (
             f"the model saved in {directory} does not fit the module being restored "
-            f"({len(mismatched)} mismatched, {len(missing)} missing, {len(unexpected)} "
-            "unexpected key(s)); nothing was loaded",
-            fix=hint
-            or "Build the module with the config it was saved with, or restore with "
-            "ModelHandler(strict=False) to skip missing and unexpected keys.",
+            f"({len(mismatched)} mismatched, {len(missing)} missing, %d unexpected key(s)); "
+            "nothing was loaded"
         )
+        fix = wrapper_hint(missing, unexpected) or (
+            "Build the module with the config it was saved with, or restore with "
+            "ModelHandler(strict=False) to skip missing and unexpected keys."
+        )
+
+        def problems(unexpected: Sequence[str]) -> list[str]:
+            lines = [f"mismatched {line}" for line in mismatched]
+            if self.strict:
+                lines += [f"missing from the checkpoint: {name}" for name in missing]
+                lines += [f"unexpected (not in the model): {name}" for name in unexpected]
+            return lines
+
+        collective = context.collective
+        if context.world_size > 1 and collective is not None and collective.enabled:
+            _, theirs = collective.agree(
+                "orbit_pt.handler.restore_plan",
+                lambda: raise_mismatches(problems(()), summary % 0, fix=fix),
+                label=f"planning the restore of {directory.name}",
+                share=lambda _: unexpected,
+            )
+            nowhere = set.intersection(*(set(names) for names in theirs))
+            unexpected = [name for name in unexpected if name in nowhere]
+        raise_mismatches(problems(unexpected), summary % len(unexpected), fix=fix)
         return plan
 
 
@@ -752,12 +796,21 @@ def _read_converted(
                 out = tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
                 out.copy_(layout.rows_from_hub(key, read, first, count))
             continue
-        if key in layout.rows:
-            full = layout.rows_from_hub(key, read, 0, tensor.shape[0])
-        else:
-            if joint is None:
-                joint = layout.joint_from_hub(read)
-            full = joint[key]
+        if key in layout.rows:  # a DTensor (the plain case is whole rows above)
+            shard = _layouts.layout_of(tensor)
+            if shard is not None:
+                # Experts sharded on another dimension too (EP x TP): this rank reads its even
+                # share of whole experts, a slab at a time, and moves them into the boxes.
+                def experts(rows: _layouts.Box, key: str = key) -> torch.Tensor:
+                    if not rows.shape[0]:
+                        return torch.empty(rows.shape)
+                    return layout.rows_from_hub(key, read, rows.offset[0], rows.shape[0])
+
+                _layouts.from_rows(shard, experts, tensor.to_local())  # type: ignore[attr-defined]
+            continue
+        if joint is None:
+            joint = layout.joint_from_hub(read)
+        full = joint[key]
         if is_dtensor(tensor):
             from torch.distributed.tensor import distribute_tensor
 

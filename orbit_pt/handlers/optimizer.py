@@ -30,6 +30,7 @@ changes the optimizer being saved (Adam's ``step`` becomes 1).
 
 from __future__ import annotations
 
+import base64
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,8 +44,10 @@ from orbit_pt._format.safetensors import SafetensorsReader, fits_in_place, plan_
 from orbit_pt._format.sharding import (
     Piece,
     is_dtensor,
+    needs_exchange,
     piece_of,
     read_local,
+    settle_union,
     stage_pieces,
     write_files,
 )
@@ -60,6 +63,11 @@ from orbit_pt.handlers._codec import (
 )
 from orbit_pt.handlers._mismatch import class_name, load_state_dict
 from orbit_pt.handlers._optimizer_fit import Fit, fit, names_listed
+from orbit_pt.handlers._optimizer_union import (
+    held_elsewhere,
+    merge_structures,
+    unpack_structure,
+)
 from orbit_pt.handlers.base import HandlerContext
 from orbit_pt.handlers.model import parameter_names
 
@@ -195,10 +203,20 @@ class OptimizerHandler:
             "parameters": len(names),
             "tensors": len(tensors),
         }
-        # Collective for state that must be gathered (see _format.sharding.piece_of): same order on
-        # every rank, since every rank encodes the same state dict.
-        pieces = {name: piece_of(name, t, rank=context.rank) for name, t in tensors.items()}
-        return _StagedOptimizer(pack(structure), pieces, info)
+        packed = pack(structure)
+        pieces, stages = settle_union(  # collective: every rank settles the same item
+            {name: piece_of(name, t, rank=context.rank) for name, t in tensors.items()},
+            rank=context.rank,
+            world_size=context.world_size,
+            collective=context.collective,
+            what=f"the optimizer state of step {context.step}",
+            extra=base64.b64encode(packed).decode(),
+        )
+        if stages:  # rank 0, and the ranks hold different parameters (pipeline stages)
+            packed = merge_structures([base64.b64decode(text) for text in stages])
+            info = {**info, "parameters": len(unpack_structure(packed)["param_shapes"])}
+            info["tensors"] = len(pieces)
+        return _StagedOptimizer(packed, pieces, info)
 
     def restore(self, directory: Path, target: Any | None, context: HandlerContext) -> Any:
         structure = read_optimizer_structure(directory / STRUCTURE_FILE)  # layout checked
@@ -212,12 +230,20 @@ class OptimizerHandler:
         optimizer = _check_optimizer(target, "restore")
         names = self._names(optimizer, context, "restore")
         # Every check happens here, before the first tensor is read into the optimizer.
-        plan = fit(
-            structure,
-            optimizer,
-            names,
+        plan = held_elsewhere(
+            lambda unexpected_ok: fit(
+                structure,
+                optimizer,
+                names,
+                strict=self.strict,
+                hyperparameters=self.hyperparameters,
+                item=_item_name(context, optimizer),
+                directory=directory,
+                unexpected_ok=unexpected_ok,
+            ),
+            context,
+            label=f"planning the restore of {directory.name}",
             strict=self.strict,
-            hyperparameters=self.hyperparameters,
             item=_item_name(context, optimizer),
             directory=directory,
         )
@@ -235,8 +261,10 @@ class OptimizerHandler:
             elif name in plan.missing and current:
                 state[position] = current  # not in the checkpoint: left as it is
 
-        # By ranged requests (object storage), several parameters' state at once.
-        for_each(range(len(pairs)), read, remote=reader.is_remote)
+        # By ranged requests (object storage), several parameters' state at once -- unless a
+        # layout moves rows between ranks, which must happen in the same order on every rank.
+        moves = any(needs_exchange(param) for _, param in pairs)
+        for_each(range(len(pairs)), read, remote=reader.is_remote and not moves)
         state = dict(sorted(state.items()))
         live_groups = list(optimizer.param_groups)
         groups = []

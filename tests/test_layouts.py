@@ -1,0 +1,412 @@
+"""Any parallel layout, gather-free: TP, FSDP x TP, HSDP, pipeline stages, expert parallel.
+
+Real transformers models built from configs, laid out with torch's own tensor-parallel styles
+(the config's ``base_model_tp_plan``), ``fully_shard`` and pipeline stages that keep global
+names, on real gloo ranks. Each saved folder is compared bitwise with what ``save_pretrained``
+writes for the unsharded model, loaded with ``from_pretrained``, and restored onto other layouts
+and onto one process. No rank logs a gather.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from _distributed import gather, run_ranks
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from orbit_pt import CheckpointManager, CheckpointManagerOptions, CheckpointSaveError
+from orbit_pt.errors import CheckpointError
+from orbit_pt.handlers import OptimizerHandler
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.distributed
+
+LAYERS = 4
+
+
+def _config(tied: bool = False) -> Any:
+    return transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=40,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=LAYERS,
+        tie_word_embeddings=tied,
+    )
+
+
+def _llama(seed: int, tied: bool = False) -> Any:
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(_config(tied))
+    with torch.no_grad():  # distinct values everywhere, so a misplaced element shows
+        for parameter in model.parameters():
+            parameter.normal_()
+    return model
+
+
+def _tensor_parallel(model: Any, mesh: DeviceMesh) -> None:
+    """torch's TP styles from the config's own plan (colwise: Shard(0), rowwise: Shard(1))."""
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {key: styles[style]() for key, style in model.config.base_model_tp_plan.items()}
+    parallelize_module(model.model, mesh, plan)
+
+
+def _stage(model: Any, stage: int, split: int) -> Any:
+    """Pipeline stage ``stage`` of 2, layers split at ``split``, names kept global (torchtitan)."""
+    keep = range(split) if stage == 0 else range(split, LAYERS)
+    layers = dict(model.model.layers.named_children())
+    model.model.layers = torch.nn.ModuleDict({str(i): layers[str(i)] for i in keep})
+    if stage == 0:
+        model.model.norm = None
+        if not model.config.tie_word_embeddings:
+            model.lm_head = None
+    elif not model.config.tie_word_embeddings:
+        model.model.embed_tokens = None
+    return model
+
+
+def build(layout: str, seed: int, rank: int, world_size: int, *, tied: bool = False) -> Any:
+    """A tiny Llama in ``layout`` on this rank."""
+    model = _llama(seed, tied)
+    if layout == "tp":
+        _tensor_parallel(model, init_device_mesh("cpu", (world_size,)))
+    elif layout == "fsdp":
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif layout == "fsdp_tp":  # 2 x 2: FSDP over dp, TP over tp
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        _tensor_parallel(model, mesh["tp"])
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    elif layout == "hsdp":  # 2 x 2: replicate over rep, shard over shard
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif layout.startswith("pp"):  # "pp2": stages split at layer 2
+        _stage(model, rank, int(layout[2:]))
+    else:
+        assert layout == "plain", layout
+    return model
+
+
+def full(model: Any) -> dict[str, torch.Tensor]:
+    """This rank's tensors, DTensors gathered (for checking only), plain tensors as they are."""
+    out = {}
+    for name, value in model.state_dict().items():
+        out[name] = value.full_tensor() if isinstance(value, DTensor) else value.detach().clone()
+    return out
+
+
+def _step(optimizer: torch.optim.Optimizer) -> None:
+    """One AdamW step with made-up gradients laid out like their parameters."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = param.detach() * 0.01 + 0.001
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def optimizer_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            out[f"{names[id(param)]}/{key}"] = torch.as_tensor(value).clone()
+    return out
+
+
+class _Gathers(logging.Handler):
+    """Records every log line that says a tensor was gathered or read whole."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "full_tensor" in message or "reading it whole" in message:
+            self.lines.append(message)
+
+    def __enter__(self) -> _Gathers:
+        logging.getLogger("orbit_pt").addHandler(self)
+        logging.getLogger("orbit_pt").setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("orbit_pt").removeHandler(self)
+
+
+def _handlers() -> dict[str, Any]:
+    return {"optimizer": OptimizerHandler(model_item="model")}
+
+
+def _save_and_reshard(
+    rank: int, world_size: int, root: str, save: str, others: list[str], async_save: bool
+) -> None:
+    """Save ``save``'s model + AdamW; restore onto each layout of ``others``; check bitwise."""
+    model = build(save, 0, rank, world_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    _step(optimizer)
+    weights, state = full(model), optimizer_state(model, optimizer)
+    # Every rank checks what it restores against what the rank that held it saved.
+    saved = {k: v for held in gather(weights) for k, v in held.items()}  # type: ignore[attr-defined]
+    saved_state = {k: v for held in gather(state) for k, v in held.items()}  # type: ignore[attr-defined]
+    options = CheckpointManagerOptions(async_save=async_save)
+    with _Gathers() as gathers:
+        with CheckpointManager(root, options=options, handlers=_handlers()) as mgr:
+            mgr.save(1, {"model": model, "optimizer": optimizer}, force=True)
+            mgr.wait_until_finished()
+        for layout in others:
+            target = build(layout, 7, rank, world_size)
+            target_opt = torch.optim.AdamW(target.parameters(), lr=1e-3, foreach=False)
+            _step(target_opt)  # other state, to be overwritten
+            with CheckpointManager(root, handlers=_handlers()) as mgr:
+                mgr.restore(1, {"model": target, "optimizer": target_opt})
+            got, got_state = full(target), optimizer_state(target, target_opt)
+            assert got.keys() <= saved.keys(), (layout, got.keys() - saved.keys())
+            for name, value in got.items():
+                assert torch.equal(value, saved[name]), (layout, name)
+            assert got_state.keys() <= saved_state.keys(), layout
+            for name, value in got_state.items():
+                assert torch.equal(value, saved_state[name]), (layout, name)
+            del target, target_opt
+    assert gathers.lines == [], gathers.lines
+
+
+def _folder(path: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        out.update(safetensors.torch.load_file(file))
+    return out
+
+
+def _trained(tied: bool = False) -> Any:
+    """The unsharded model after the step every layout takes (elementwise: bitwise the same)."""
+    model = _llama(0, tied)
+    _step(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False))
+    return model
+
+
+def _check_folder(tmp_path: Path, root: Path, *, tied: bool = False, stepped: bool = True) -> None:
+    """The step's model folder is save_pretrained's, bitwise, and loads with from_pretrained."""
+    unsharded = _trained(tied) if stepped else _llama(0, tied)
+    reference = tmp_path / "reference"
+    unsharded.save_pretrained(reference)
+    folder = root / "step_00000001" / "model"
+    got, want = _folder(folder), _folder(reference)
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    loaded = transformers.LlamaForCausalLM.from_pretrained(folder)
+    for name, value in unsharded.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    # ... and the whole step (model + AdamW) restores onto one process.
+    target = _llama(5, tied)
+    optimizer = torch.optim.AdamW(target.parameters(), lr=1e-3, foreach=False)
+    with CheckpointManager(root, handlers=_handlers()) as mgr:
+        mgr.restore(1, {"model": target, "optimizer": optimizer})
+    for name, value in unsharded.state_dict().items():
+        assert torch.equal(target.state_dict()[name], value), name
+    assert len(optimizer.state) == len(list(target.parameters()))
+
+
+def test_tensor_parallel_saves_rows_and_restores_onto_fsdp_and_stages(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    run_ranks(2, _save_and_reshard, str(root), "tp", ["fsdp", "pp1", "tp"], False, timeout=300)
+    _check_folder(tmp_path, root)
+
+
+def test_fsdp_x_tp_on_a_2x2_mesh_async(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    run_ranks(
+        4, _save_and_reshard, str(root), "fsdp_tp", ["hsdp", "tp", "fsdp_tp"], True, timeout=400
+    )
+    _check_folder(tmp_path, root)
+
+
+def test_hsdp_restores_onto_fsdp_x_tp(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    run_ranks(4, _save_and_reshard, str(root), "hsdp", ["fsdp_tp"], False, timeout=300)
+    _check_folder(tmp_path, root)
+
+
+def test_pipeline_stages_save_one_folder_and_restore_onto_another_split(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    run_ranks(2, _save_and_reshard, str(root), "pp2", ["pp1", "pp3", "tp"], False, timeout=300)
+    _check_folder(tmp_path, root)
+
+
+def test_tied_embeddings_on_first_and_last_stage_are_written_once(tmp_path: Path) -> None:
+    root = tmp_path / "tied"
+    run_ranks(2, _save_tied_stages, str(root), timeout=300)
+    _check_folder(tmp_path, root, tied=True, stepped=False)
+
+
+def _save_tied_stages(rank: int, world_size: int, root: str) -> None:
+    model = build("pp2", 0, rank, world_size, tied=True)
+    assert "model.embed_tokens.weight" in model.state_dict()  # held by both stages
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    with CheckpointManager(root, handlers=_handlers()) as mgr:
+        mgr.save(1, {"model": model, "optimizer": optimizer}, force=True)
+
+
+# ------------------------------------------------------------------------- plan errors
+
+
+def test_a_tensor_two_stages_hold_with_different_shapes_is_a_plan_error(tmp_path: Path) -> None:
+    # Both stages hold layer 2 only in this broken split, with different shapes.
+    run_ranks(2, _conflicting_stage_shared, str(tmp_path / "ckpt"), timeout=200)
+
+
+def _conflicting_stage_shared(rank: int, world_size: int, root: str) -> None:
+    model = build("pp3" if rank == 0 else "pp2", 0, rank, world_size)
+    if rank == 1:
+        model.model.layers["2"].mlp.up_proj = torch.nn.Linear(32, 41, bias=False)
+    with CheckpointManager(root) as mgr:
+        with pytest.raises(CheckpointSaveError, match=r"different dtypes or global shapes"):
+            mgr.save(1, {"model": model}, force=True)
+        assert mgr.all_steps() == []
+
+
+def _one_rank_fails_before_the_tensors_agreement(rank: int, world_size: int, root: str) -> None:
+    model = build("tp", 0, rank, world_size)
+    if rank == 1:  # a tensor safetensors cannot store: rank 1 fails before any row moves
+        model.register_buffer("bad", torch.zeros(2, dtype=torch.complex64))
+    with CheckpointManager(root) as mgr:
+        with pytest.raises(CheckpointSaveError, match=r"rank\(s\) \[1\]"):
+            mgr.save(1, {"model": model}, force=True)
+        assert mgr.all_steps() == []
+
+
+def test_one_rank_failing_before_rows_move_fails_every_rank(tmp_path: Path) -> None:
+    run_ranks(2, _one_rank_fails_before_the_tensors_agreement, str(tmp_path), timeout=120)
+
+
+def _one_rank_does_not_fit(rank: int, world_size: int, root: str) -> None:
+    model = build("tp", 0, rank, world_size)
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"model": model}, force=True)
+    config = _config()
+    if rank == 1:
+        config.intermediate_size = 48  # rank 1's model does not fit the step
+    torch.manual_seed(3)
+    target = transformers.LlamaForCausalLM(config)
+    _tensor_parallel(target, init_device_mesh("cpu", (world_size,)))
+    before = full(target)
+    with CheckpointManager(root) as mgr, pytest.raises(CheckpointError, match=r"rank\(s\) \[1\]"):
+        mgr.restore(1, {"model": target})
+    after = full(target)
+    for name, value in before.items():  # nothing was loaded, on any rank
+        assert torch.equal(after[name], value), name
+
+
+def test_one_rank_whose_model_does_not_fit_fails_the_restore_everywhere(tmp_path: Path) -> None:
+    run_ranks(2, _one_rank_does_not_fit, str(tmp_path), timeout=120)
+
+
+def _unexpected_is_what_no_stage_holds(rank: int, world_size: int, root: str) -> None:
+    model = build("plain", 0, rank, world_size)
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"model": model}, force=True)
+    # Stages of a model that lacks the head: lm_head.weight is in the step but on no stage.
+    target = build("pp2", 3, rank, world_size)
+    target.lm_head = None
+    refused = r"unexpected \(not in the model\): lm_head"
+    with CheckpointManager(root) as mgr, pytest.raises(CheckpointError, match=refused):
+        mgr.restore(1, {"model": target})
+
+
+def test_a_restore_onto_stages_refuses_only_what_no_stage_holds(tmp_path: Path) -> None:
+    run_ranks(2, _unexpected_is_what_no_stage_holds, str(tmp_path), timeout=120)
+
+
+# ----------------------------------------------------------------------- expert parallel
+
+
+def _moe(seed: int) -> Any:
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_attention_heads=2,
+        intermediate_size=8,
+        num_hidden_layers=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    model = transformers.MixtralForCausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_()
+    return model
+
+
+def _expert_parallel(model: Any, mesh: DeviceMesh, placements: list[Any]) -> None:
+    """Experts sharded across ranks (``placements`` on ``mesh``); everything else replicated."""
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.detach(), mesh, placements)
+            setattr(experts, name, torch.nn.Parameter(sharded))
+
+
+def _expert_layouts(rank: int, world_size: int, root: str) -> None:
+    ep = init_device_mesh("cpu", (world_size,))
+    with _Gathers() as gathers:
+        model = _moe(0)
+        _expert_parallel(model, ep, [Shard(0)])  # experts 0-1 on rank 0, 2-3 on rank 1
+        with CheckpointManager(f"{root}/ep") as mgr:
+            mgr.save(1, {"model": model}, force=True)
+        # Experts split inside (each expert's rows across ranks, as EP x TP would).
+        inner = _moe(0)
+        _expert_parallel(inner, ep, [Shard(1)])
+        with CheckpointManager(f"{root}/inner") as mgr:
+            mgr.save(1, {"model": inner}, force=True)
+        # Restore each onto the other layout.
+        for source, placements in (("ep", [Shard(1)]), ("inner", [Shard(0)])):
+            target = _moe(4)
+            _expert_parallel(target, ep, placements)
+            with CheckpointManager(f"{root}/{source}") as mgr:
+                mgr.restore(1, {"model": target})
+            for name, value in _moe(0).state_dict().items():
+                assert torch.equal(full(target)[name], value), (source, name)
+    assert gathers.lines == [], gathers.lines
+    dist.barrier()
+
+
+def test_expert_parallel_writes_the_hub_layout_gather_free(tmp_path: Path) -> None:
+    run_ranks(2, _expert_layouts, str(tmp_path), timeout=300)
+    reference = tmp_path / "reference"
+    _moe(0).save_pretrained(reference)
+    want = _folder(reference)
+    for source in ("ep", "inner"):
+        got = _folder(tmp_path / source / "step_00000001" / "model")
+        assert sorted(got) == sorted(want)
+        assert any(".experts.3." in name for name in got)  # one tensor per expert
+        for name, value in want.items():
+            assert torch.equal(got[name], value), (source, name)
+    loaded = transformers.MixtralForCausalLM.from_pretrained(
+        tmp_path / "inner" / "step_00000001" / "model"
+    )
+    for name, value in _moe(0).state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
