@@ -22,13 +22,16 @@ import logging
 import os
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from orbit_pt._control.collective import Collective
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError
+from orbit_pt.handlers._model_parts import as_module
 from orbit_pt.handlers._peft import adapter_folders, peft_model
 from orbit_pt.handlers.base import HandlerContext
 from orbit_pt.handlers.model import INDEX_FILE, SINGLE_FILE, ModelHandler
@@ -43,17 +46,21 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 _SHOWN = 5
 
+_Model = TypeVar("_Model", bound="torch.nn.Module | Sequence[torch.nn.Module]")
+
 
 def load_pretrained(
-    model: torch.nn.Module,
+    model: _Model,
     path: str | os.PathLike[str],
     *,
     strict: bool = True,
     device: torch.device | str | None = None,
-) -> torch.nn.Module:
+) -> _Model:
     """Load the weights of a local Hugging Face model folder into ``model``, in place.
 
-    ``model`` may be a plain module, a wrapped one (DDP, ``torch.compile``, ...), or an FSDP2
+    ``model`` may be a list of parts of one model that keep its global names (torchtitan's
+    ``model_parts``: pipeline stages; each rank reads what its parts hold). It may be a plain
+    module, a wrapped one (DDP, ``torch.compile``, ...), or an FSDP2
     (``fully_shard``) / DTensor model, whose every rank reads only the rows of each tensor that
     it holds, straight from the files into its local shard. Peak memory on a rank is its shard
     plus one tensor's (local rows') read buffer, never the whole model. Under
@@ -110,16 +117,18 @@ def load_pretrained(
             mismatched keys, each listed); nothing was loaded.
         CorruptCheckpointError: the index and the shards disagree, or a file is damaged.
     """
-    if not isinstance(model, torch.nn.Module):
+    module = as_module(model)  # a list of pipeline-stage parts loads as their union
+    if module is None:
         raise CheckpointTypeError(
-            f"load_pretrained loads into a torch.nn.Module, got {type(model).__name__}"
+            "load_pretrained loads into a torch.nn.Module (or a list of parts of one model), "
+            f"got {type(model).__name__}"
         )
     distributed = dist.is_available() and dist.is_initialized()
     started = time.perf_counter()
 
     def load(collective: Collective | None = None) -> Path:
         folder = _model_folder(path)
-        if peft_model(model) is not None and _holds_model(folder):
+        if peft_model(module) is not None and _holds_model(folder):
             raise CheckpointTypeError(
                 f"{folder} holds a whole model, and the target is a peft.PeftModel, whose base "
                 "layers have other names (q_proj.base_layer.weight, ...); load the base "
@@ -138,7 +147,7 @@ def load_pretrained(
             # and on which keys no rank holds (pipeline stages each hold some).
             collective=collective,
         )
-        ModelHandler(strict=strict, device=device).restore(folder, model, context)
+        ModelHandler(strict=strict, device=device).restore(folder, module, context)
         return folder
 
     if distributed:

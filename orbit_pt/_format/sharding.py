@@ -173,14 +173,16 @@ def settle_union(
 
     Call it on every rank, for the same item; it must not run inside a thread pool.
 
-    Returns the pieces, and -- only when the ranks hold different tensors -- every rank's
-    ``extra`` (JSON-able) on rank 0 (an empty list on the others); None when they hold the
-    same, or on one process.
+    Returns the pieces, and -- only when the ranks hold different tensors or ``extra``\\ s --
+    every rank's ``extra`` (JSON-able) on rank 0 (an empty list on the others); None when
+    they hold the same, or on one process.
     """
     if world_size == 1 or collective is None or not collective.enabled:
         return _resolved(pieces), None
     mine = [[n, torch_dtype_name(p.dtype), list(p.shape), p.holder] for n, p in pieces.items()]
-    digest = hashlib.sha256(repr(mine).encode()).hexdigest()[:16]
+    # ``extra`` counts too: stages may hold the same tensors yet differ in what rides along
+    # (an optimizer before its first step holds no tensors, but its stages' parameters differ).
+    digest = hashlib.sha256(repr((mine, extra)).encode()).hexdigest()[:16]
     _, digests = collective.agree(
         "orbit_pt.handler.tensors",
         lambda: None,

@@ -24,6 +24,7 @@ import torch
 from orbit_pt._format.sharding import is_dtensor
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, StateMismatchError
 from orbit_pt.handlers._mismatch import load_state_dict, raise_mismatches
+from orbit_pt.handlers._model_parts import as_module
 from orbit_pt.handlers.base import HandlerContext
 from orbit_pt.handlers.state import StateHandler
 
@@ -54,7 +55,7 @@ class Captured:
 
 
 def kind_of(item: Any) -> str:
-    if isinstance(item, torch.nn.Module):
+    if as_module(item) is not None:  # a module, or a list of model parts (their union)
         return MODULE
     if isinstance(item, torch.optim.Optimizer):
         return OPTIMIZER
@@ -66,7 +67,7 @@ def capture(name: str, item: Any) -> Captured:
     kind = kind_of(item)
     if kind == MODULE:
         with torch.no_grad():
-            state = dict(item.state_dict())
+            state = dict(_module(item).state_dict())
         sharded: dict[str, dict[str, list[int]]] = {}
         for key, value in state.items():
             if is_dtensor(value):
@@ -115,7 +116,7 @@ def load(
     if target is None:
         return saved
     if kind == MODULE:
-        _load_module(name, saved, sharded, target, directory)
+        _load_module(name, saved, sharded, _module(target), directory)
     else:
         _load_optimizer(name, saved, sharded, target, directory)
     return target
@@ -132,7 +133,7 @@ def check_target(name: str, kind: str, target: Any) -> None:
         )
     if kind == MODULE and any(
         (t.to_local() if is_dtensor(t) else t).is_meta
-        for t in (*target.parameters(), *target.buffers())
+        for t in (*_module(target).parameters(), *_module(target).buffers())
     ):
         # A local shard is copied into live tensors; a meta model is materialized by the
         # persistent tier's restore, which restore(None) then falls back to.
@@ -140,6 +141,12 @@ def check_target(name: str, kind: str, target: Any) -> None:
             f"item {name!r}: the live module has tensors on the meta device; a local step loads "
             "into a materialized module only (restore a persistent step to materialize it)"
         )
+
+
+def _module(item: Any) -> torch.nn.Module:
+    module = as_module(item)
+    assert module is not None, "kind_of said MODULE"
+    return module
 
 
 def _localize(tensor: Any) -> tuple[torch.Tensor, dict[str, list[int]]]:

@@ -13,6 +13,7 @@ import torch
 from orbit_pt._format.sharding import is_dtensor
 from orbit_pt.errors import CheckpointTypeError
 from orbit_pt.handlers._codec import has_state_dict, loader_hint
+from orbit_pt.handlers._model_parts import parts_of
 from orbit_pt.handlers.base import Handler, HandlerContext
 from orbit_pt.handlers.model import ModelHandler
 from orbit_pt.handlers.optimizer import OptimizerHandler
@@ -36,8 +37,8 @@ def default_handler(item: Any, *, item_name: str) -> Handler:
     handler saves it, restores it in place into a target tensor of the same shape and dtype,
     and returns it as a tensor when restored without a target.
     """
-    if isinstance(item, torch.nn.Module):
-        return ModelHandler()
+    if isinstance(item, torch.nn.Module) or parts_of(item) is not None:
+        return ModelHandler()  # a module, or a list of parts of one (torchtitan's model_parts)
     if isinstance(item, torch.optim.Optimizer):
         return OptimizerHandler()
     if is_dtensor(item):

@@ -23,7 +23,7 @@ import copy
 import json
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ _cache_lock = threading.Lock()
 def model_documents(
     module: torch.nn.Module,
     *,
-    state: Mapping[str, torch.Tensor],
+    shapes: Mapping[str, Sequence[int]],
     saved: frozenset[str],
     dtype: torch.dtype,
     step: int,
@@ -68,7 +68,8 @@ def model_documents(
 
     Args:
         module: the live module (wrappers allowed).
-        state: its canonical state (name -> tensor).
+        shapes: the global shape of every name of its canonical state (under pipeline
+            stages: of every stage's).
         saved: the names written (one per tied group).
         dtype: the dtype recorded in the config (the export dtype, or the model's).
         step: for the log line.
@@ -78,7 +79,7 @@ def model_documents(
     if not callable(getattr(config, "to_dict", None)):
         return {}
     document = dict(config.to_dict())  # type: ignore[union-attr]
-    reason = _misfit(inner, config, state, saved)
+    reason = _misfit(inner, config, shapes, saved)
     if reason is not None:
         logger.warning(
             "step %d: not writing %s for the %s model: its weights do not fit the %s that "
@@ -107,14 +108,14 @@ def model_documents(
 def _misfit(
     inner: torch.nn.Module,
     config: Any,
-    state: Mapping[str, torch.Tensor],
+    model_shapes: Mapping[str, Sequence[int]],
     saved: frozenset[str],
 ) -> str | None:
     """Why the weights do not fit ``type(inner)(config)``; None when they do or when unknown."""
     reference = _reference(type(inner), config)
     if reference is None:
         return None
-    shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
+    shapes = {name: tuple(shape) for name, shape in model_shapes.items()}
     extra = sorted(set(shapes) - set(reference.shapes))
     absent = sorted(set(reference.shapes) - set(shapes))
     if extra or absent:

@@ -48,6 +48,7 @@ from orbit_pt._format.safetensors import (
     HEADER_METADATA,
     PlannedFile,
     SafetensorsReader,
+    dtype_name,
     plan_file,
     torch_dtype_name,
 )
@@ -59,6 +60,7 @@ from orbit_pt._format.sharding import (
     read_local,
     row_block,
     settle,
+    settle_union,
     stage_pieces,
     write_files,
 )
@@ -75,6 +77,7 @@ from orbit_pt.handlers._materialize import (
     target_device,
 )
 from orbit_pt.handlers._mismatch import raise_mismatches
+from orbit_pt.handlers._model_parts import as_module
 from orbit_pt.handlers._ties import kept_name as kept_name
 from orbit_pt.handlers._ties import parameter_names as parameter_names
 from orbit_pt.handlers._ties import tie_groups
@@ -392,12 +395,26 @@ class ModelHandler:
         else:
             tensors = hub_pieces(layout, kept, rank=context.rank)
             tied = {name: layout.renamed.get(keep, keep) for name, keep in tied.items()}
+        # The config check needs every stage's names and shapes under pipeline stages: they
+        # ride on the tensors agreement (gathered only when the ranks hold different tensors).
+        shapes = {name: list(tensor.shape) for name, tensor in state.items()}
+        tensors, stages = settle_union(
+            tensors,
+            rank=context.rank,
+            world_size=context.world_size,
+            collective=context.collective,
+            what=f"the model of step {context.step}",
+            extra={"shapes": shapes, "saved": sorted(kept)},
+        )
+        saved = set(kept)
+        for stage in stages or ():
+            shapes.update(stage["shapes"])
+            saved.update(stage["saved"])
         documents = (
-            self._documents(module, state, frozenset(kept), context.step)
+            self._documents(module, shapes, frozenset(saved), context.step)
             if context.rank == 0  # the only rank that writes them
             else {}
         )
-        tensors = self._settle(tensors, context)
         return _StagedModel(tensors, tied, documents)
 
     def _settle(self, tensors: Mapping[str, Piece], context: HandlerContext) -> dict[str, Piece]:
@@ -448,14 +465,14 @@ class ModelHandler:
     def _documents(
         self,
         module: torch.nn.Module,
-        state: Mapping[str, torch.Tensor],
+        shapes: Mapping[str, Sequence[int]],
         saved: frozenset[str],
         step: int,
     ) -> dict[str, Any]:
         """``config.json`` and ``generation_config.json`` contents, by file name."""
         dtype = self.export_dtype or _float_dtype(module)
         if self.config is None:
-            return model_documents(module, state=state, saved=saved, dtype=dtype, step=step)
+            return model_documents(module, shapes=shapes, saved=saved, dtype=dtype, step=step)
         documents: dict[str, Any] = {CONFIG_FILE: self.config}
         generation = getattr(unwrap(module), "generation_config", None)
         if callable(getattr(generation, "to_dict", None)):
@@ -480,7 +497,7 @@ class ModelHandler:
             state = canonical_state(module)
             plan = self._plan_restore(directory, state, readers, layout, context)
         self._read(directory, plan, readers, layout)
-        return module
+        return target  # the module, or the list of model parts
 
     def _restore_adapters(
         self, directory: Path, target: Any | None, context: HandlerContext
@@ -910,12 +927,15 @@ def _has_model_files(directory: Path) -> bool:
 
 
 def _check_module(item: Any, action: str) -> torch.nn.Module:
-    if not isinstance(item, torch.nn.Module):
+    """``item`` as one module: itself, or the merged view of a list of model parts."""
+    module = as_module(item)
+    if module is None:
         raise CheckpointTypeError(
-            f"ModelHandler can only {action} a torch.nn.Module, got {type(item).__name__}; use "
+            f"ModelHandler can only {action} a torch.nn.Module or a list of modules that are "
+            f"parts of one model (torchtitan's model_parts), got {type(item).__name__}; use "
             "the state handler for other objects"
         )
-    return item
+    return module
 
 
 def _check_savable(name: str, tensor: torch.Tensor) -> None:
@@ -929,6 +949,10 @@ def _check_savable(name: str, tensor: torch.Tensor) -> None:
             f"model tensor {name!r} is on the meta device and has no data; materialize the "
             "module (e.g. to_empty + init) before saving it"
         )
+    try:
+        dtype_name(tensor.dtype)  # here, before any agreement: only this rank fails
+    except CheckpointTypeError as exc:
+        raise CheckpointTypeError(f"model tensor {name!r}: {exc}") from None
 
 
 def _check_extra_name(filename: object) -> None:

@@ -62,6 +62,7 @@ from orbit_pt.handlers._codec import (
     read_optimizer_structure,
 )
 from orbit_pt.handlers._mismatch import class_name, load_state_dict
+from orbit_pt.handlers._model_parts import as_module
 from orbit_pt.handlers._optimizer_fit import Fit, fit, names_listed
 from orbit_pt.handlers._optimizer_union import (
     held_elsewhere,
@@ -320,17 +321,20 @@ class OptimizerHandler:
                     f"OptimizerHandler(model_item={self.model_item!r}) but the items to {action} "
                     f"are {sorted(items)}; include the model under that name"
                 )
-            model = items[self.model_item]
-            if not isinstance(model, torch.nn.Module):
+            model = as_module(items[self.model_item])
+            if model is None:
                 raise CheckpointTypeError(
                     f"OptimizerHandler needs item {self.model_item!r} as a live torch.nn.Module "
-                    f"to name the optimizer's parameters, got {type(model).__name__}; pass the "
-                    f"model object in the items of {action}()"
+                    "(or a list of model parts) to name the optimizer's parameters, got "
+                    f"{type(items[self.model_item]).__name__}; pass the model object in the "
+                    f"items of {action}()"
                 )
             return model
-        modules = [name for name, value in items.items() if isinstance(value, torch.nn.Module)]
+        modules = [name for name, value in items.items() if as_module(value) is not None]
         if len(modules) == 1:
-            return items[modules[0]]  # type: ignore[no-any-return]
+            found = as_module(items[modules[0]])
+            assert found is not None
+            return found
         found = f"several ({modules})" if modules else "none"
         raise CheckpointValueError(
             f"the optimizer handler names optimizer state after the model's parameters, so the "
