@@ -8,7 +8,7 @@ global names; the leaves are the parts' own modules. See docs/layouts.md.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -62,25 +62,28 @@ def _merge(modules: list[torch.nn.Module], path: str) -> torch.nn.Module:
         for name, child in module._modules.items():
             if child is not None:
                 children.setdefault(name, []).append(child)
+    transient = set().union(*(module._non_persistent_buffers_set for module in distinct))
     parameters = _union([module._parameters for module in distinct], path, "parameter")
-    buffers = _union([module._buffers for module in distinct], path, "buffer")
+    buffers = _union([module._buffers for module in distinct], path, "buffer", transient)
     view.__dict__["_modules"] = {
         name: _merge(held, f"{path}.{name}" if path else name) for name, held in children.items()
     }
     view.__dict__["_parameters"] = parameters
     view.__dict__["_buffers"] = buffers
-    view.__dict__["_non_persistent_buffers_set"] = set().union(
-        *(module._non_persistent_buffers_set for module in distinct)
-    )
+    view.__dict__["_non_persistent_buffers_set"] = transient
     return view
 
 
-def _union(held: list[dict[str, Any]], path: str, kind: str) -> dict[str, Any]:
+def _union(
+    held: list[dict[str, Any]], path: str, kind: str, transient: Collection[str] = ()
+) -> dict[str, Any]:
+    """The tensors of several parts' modules at one path; non-persistent buffers (each part's
+    own rotary ``inv_freq``, never saved): the first part's."""
     out: dict[str, Any] = {}
     for tensors in held:
         for name, tensor in tensors.items():
             seen = out.get(name)
-            if tensor is None or seen is tensor:
+            if tensor is None or seen is tensor or (seen is not None and name in transient):
                 out.setdefault(name, tensor)
             elif seen is None:
                 out[name] = tensor
