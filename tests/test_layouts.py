@@ -9,6 +9,8 @@ and onto one process. No rank logs a gather.
 
 from __future__ import annotations
 
+import gc
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -364,6 +366,55 @@ def test_stages_with_an_optimizer_before_its_first_step_save_every_stage(tmp_pat
     for name, value in _llama(0).state_dict().items():
         assert torch.equal(target.state_dict()[name], value), name
     assert len(optimizer.param_groups[0]["params"]) == len(list(target.parameters()))
+
+
+# ------------------------------------------------------------------------ peak memory
+
+_WIDE = 4096  # one 4096 x 4096 fp32 weight: 64 MiB whole, 32 MiB per rank
+
+
+def _kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"{field} not in /proc/self/status")
+
+
+def _save_growth(rank: int, world_size: int, root: str, out: str) -> None:
+    """Peak resident growth of each rank while it saves a column-sharded (Shard(1)) weight."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(_WIDE, _WIDE, bias=False))
+    parallelize_module(model, init_device_mesh("cpu", (world_size,)), {"0": RowwiseParallel()})
+    assert model[0].weight.placements == (Shard(1),)
+    growth = {}
+    for async_save in (False, True):
+        options = CheckpointManagerOptions(async_save=async_save)
+        with CheckpointManager(f"{root}/{async_save}", options=options) as mgr:
+            mgr.save(1, {"model": model}, force=True)  # pages in the code any save runs
+            mgr.wait_until_finished()
+            gc.collect()
+            dist.barrier()
+            before = _kib("VmRSS")
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current resident set
+            mgr.save(2, {"model": model}, force=True)
+            mgr.wait_until_finished()
+            growth["async" if async_save else "sync"] = (_kib("VmHWM") - before) * 1024
+            dist.barrier()
+    reports = gather(growth)
+    if rank == 0:
+        Path(out).write_text(json.dumps(reports))
+
+
+def test_a_column_sharded_save_holds_a_shard_not_the_tensor(tmp_path: Path) -> None:
+    # The rows a rank writes are half the tensor (32 MiB) plus a round's buffers; a gather
+    # would hold the whole 64 MiB tensor (and DTensor.redistribute on gloo more).
+    out = tmp_path / "growth.json"
+    run_ranks(2, _save_growth, str(tmp_path), str(out), timeout=240)
+    whole = _WIDE * _WIDE * 4
+    for rank, growth in enumerate(json.loads(out.read_text())):
+        for mode, grown in growth.items():
+            print(f"rank {rank} {mode}: peak growth {grown / 2**20:.1f} MiB")
+            assert grown < 0.75 * whole, (rank, mode, grown)
 
 
 # ------------------------------------------------------------------------- plan errors
