@@ -28,6 +28,9 @@ Ratios are medians over rounds of per-round ratios against ``dcp sync`` (each ro
 back to back, starting at another mode each round, so a ratio compares runs that shared the
 machine's state).
 
+``--layout fsdp_tp`` (FSDP x TP on a 2-D mesh) and ``--layout pp`` (pipeline stages) run the same
+modes on those layouts (see docs/layouts.md).
+
 Run: ``.venv/bin/python benchmarks/fsdp_vs_dcp.py --size-mb 1024 --rounds 3 --png out.png``
 """
 
@@ -45,7 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -67,26 +70,55 @@ def _layers(size_mb: int, width: int) -> int:
 
 
 def _build(args: argparse.Namespace, *, titan: bool) -> tuple[torch.nn.Module, Any]:
-    """An FSDP2 stack of Linear layers and its AdamW, after one step (so the moments exist).
+    """A stack of Linear layers in ``args.layout`` and its AdamW, after one step.
 
-    Built on the meta device and materialized shard by shard, and stepped with synthetic
-    gradients: a forward and backward would only add seconds of gathers to every process.
+    ``fsdp``: FSDP2, built on the meta device and materialized shard by shard. ``fsdp_tp``: a 2-D
+    mesh (ranks / 2) x 2, layers alternately ``ColwiseParallel`` (``Shard(0)``) and
+    ``RowwiseParallel`` (``Shard(1)``) over "tp", FSDP2 over "dp" (``_StridedShard``). ``pp``:
+    pipeline stages, each rank an even share of the layers under their global names. Stepped
+    with synthetic gradients: a forward and backward would only add seconds to every process.
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     width, layers = args.width, _layers(args.size_mb, args.width)
-    with torch.device("meta"):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if args.layout == "pp":
+        share = torch.tensor_split(torch.arange(layers), world_size)[rank].tolist()
+        model: torch.nn.Module = torch.nn.ModuleDict(
+            {str(i): torch.nn.Linear(width, width, bias=False) for i in share}
+        )
+    elif args.layout == "fsdp_tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
         model = torch.nn.Sequential(
             *(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
         )
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    model.to_empty(device="cpu")
+        styles = (ColwiseParallel, RowwiseParallel)
+        plan = {str(i): styles[i % 2]() for i in range(layers)}
+        parallelize_module(model, mesh["tp"], plan)  # type: ignore[arg-type]
+        for layer in model:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        with torch.device("meta"):
+            model = torch.nn.Sequential(
+                *(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
+            )
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        model.to_empty(device="cpu")
     with torch.no_grad():
         for param in model.parameters():
-            cast(DTensor, param).to_local().uniform_(-0.02, 0.02)
+            local = param.to_local() if isinstance(param, DTensor) else param
+            local.uniform_(-0.02, 0.02)
             param.grad = param.detach().clone()
     if titan:  # torchtitan's manager takes its own optimizer container, not a torch optimizer
         from torchtitan.components.optimizer import OptimizersContainer
@@ -458,7 +490,7 @@ def _print(args: argparse.Namespace, table: dict[str, dict], failed: dict[str, s
     gb = state_mib * 2**20 / 1e9
     print(
         f"model: {layers} x Linear({args.width}, {args.width}) fp32 + AdamW moments = "
-        f"{state_mib:.0f} MiB of state, FSDP2 on {args.ranks} gloo ranks (CPU); "
+        f"{state_mib:.0f} MiB of state, layout {args.layout} on {args.ranks} gloo ranks (CPU); "
         f"{args.rounds} rounds, fresh processes per (round, mode); medians"
     )
     ranks = range(args.ranks)
@@ -556,6 +588,12 @@ def main() -> None:
     )
     parser.add_argument("--width", type=int, default=2048, help="width of each square layer")
     parser.add_argument("--ranks", type=int, default=2, help="number of gloo ranks")
+    parser.add_argument(
+        "--layout",
+        choices=("fsdp", "fsdp_tp", "pp"),
+        default="fsdp",
+        help="fsdp: FSDP2; fsdp_tp: FSDP x TP on a (ranks / 2) x 2 mesh; pp: pipeline stages",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every mode")
     parser.add_argument(
         "--modes", default=",".join(MODES), help="comma-separated modes to run (default: all)"
@@ -578,6 +616,8 @@ def main() -> None:
     if not args.torchtitan:
         skipped = {m: "pass --torchtitan DIR to run it" for m in modes if m.startswith("titan")}
         modes = [m for m in modes if m not in skipped]
+    if args.layout == "fsdp_tp" and args.ranks % 2:
+        parser.error("--layout fsdp_tp needs an even --ranks (the mesh is ranks / 2 x 2)")
     if BASELINE not in modes:
         parser.error(f"--modes must include {BASELINE!r}: every ratio is against it")
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as out:
