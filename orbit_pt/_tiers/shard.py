@@ -131,9 +131,10 @@ def check_target(name: str, kind: str, target: Any) -> None:
             f"item {name!r} was saved to the local tier as a {kind}, but the live object is a "
             f"{type(target).__name__}"
         )
-    if kind == MODULE and any(
-        (t.to_local() if is_dtensor(t) else t).is_meta
-        for t in (*_module(target).parameters(), *_module(target).buffers())
+    module = _module(target) if kind == MODULE else None
+    if module is not None and any(
+        (t.to_local() if is_dtensor(t) else t).is_meta  # type: ignore[attr-defined]
+        for t in (*module.parameters(), *module.buffers())
     ):
         # A local shard is copied into live tensors; a meta model is materialized by the
         # persistent tier's restore, which restore(None) then falls back to.

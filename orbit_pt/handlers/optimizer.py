@@ -332,9 +332,9 @@ class OptimizerHandler:
             return model
         modules = [name for name, value in items.items() if as_module(value) is not None]
         if len(modules) == 1:
-            found = as_module(items[modules[0]])
-            assert found is not None
-            return found
+            only = as_module(items[modules[0]])
+            assert only is not None
+            return only
         found = f"several ({modules})" if modules else "none"
         raise CheckpointValueError(
             f"the optimizer handler names optimizer state after the model's parameters, so the "
