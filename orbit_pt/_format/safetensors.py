@@ -139,6 +139,14 @@ def torch_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The inverse of :func:`torch_dtype_name` (a name another rank wrote)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointValueError(f"{name!r} is not the name of a torch dtype")
+    return dtype
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The safetensors name of ``dtype`` (``"BF16"``); a clear error for one it cannot store."""
     try:

@@ -36,6 +36,7 @@ from orbit_pt._format.safetensors import (
     create_file,
     fits_in_place,
     tensor_bytes,
+    torch_dtype,
     torch_dtype_name,
 )
 from orbit_pt._format.staging import StagingPool
@@ -238,7 +239,7 @@ def settle_union(
         elif piece is not None:
             settled[name] = Piece(piece.shape, piece.dtype, None)
         else:
-            settled[name] = Piece(tuple(shape), _dtype(dtype), None)
+            settled[name] = Piece(tuple(shape), torch_dtype(dtype), None)
     return _resolved(settled), extras
 
 
@@ -253,12 +254,6 @@ def _resolved(pieces: Mapping[str, Piece]) -> dict[str, Piece]:
         data = rows if rows.numel() else None
         out[name] = replace(piece, data=data, row=first, pending=None, private=True)
     return out
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name)  # a name torch_dtype_name wrote on another rank
-    assert isinstance(dtype, torch.dtype)
-    return dtype
 
 
 def plan_digest(files: Sequence[PlannedFile]) -> str:
