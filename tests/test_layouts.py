@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -400,21 +401,62 @@ def _save_growth(rank: int, world_size: int, root: str, out: str) -> None:
             mgr.wait_until_finished()
             growth["async" if async_save else "sync"] = (_kib("VmHWM") - before) * 1024
             dist.barrier()
+    # The restore reads the rows covering this rank's share, then moves them among the ranks:
+    # every byte read from the file is counted at the syscall (os.preadv / os.pread).
+    torch.manual_seed(1)
+    target = torch.nn.Sequential(torch.nn.Linear(_WIDE, _WIDE, bias=False))
+    parallelize_module(target, init_device_mesh("cpu", (world_size,)), {"0": RowwiseParallel()})
+    read = _count_reads()
+    with read, CheckpointManager(f"{root}/False") as mgr:
+        mgr.restore(2, {"model": target})
+    assert torch.equal(full(target)["0.weight"], full(model)["0.weight"])
+    growth["read"] = read.bytes
+    growth["local"] = target[0].weight.to_local().nbytes  # type: ignore[union-attr,operator]
     reports = gather(growth)
     if rank == 0:
         Path(out).write_text(json.dumps(reports))
 
 
+class _count_reads:  # noqa: N801 - used as a context manager
+    """Bytes read through ``os.preadv`` / ``os.pread`` (every file read orbit_pt makes)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def __enter__(self) -> _count_reads:
+        self._saved = (os.preadv, os.pread)
+        preadv, pread = self._saved
+
+        def counted_preadv(fd: int, buffers: Any, offset: int) -> int:
+            n = preadv(fd, buffers, offset)
+            self.bytes += n
+            return n
+
+        def counted_pread(fd: int, size: int, offset: int) -> bytes:
+            data = pread(fd, size, offset)
+            self.bytes += len(data)
+            return data
+
+        os.preadv, os.pread = counted_preadv, counted_pread  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.preadv, os.pread = self._saved
+
+
 def test_a_column_sharded_save_holds_a_shard_not_the_tensor(tmp_path: Path) -> None:
     # The rows a rank writes are half the tensor (32 MiB) plus a round's buffers; a gather
-    # would hold the whole 64 MiB tensor (and DTensor.redistribute on gloo more).
+    # would hold the whole 64 MiB tensor (and DTensor.redistribute on gloo more). A restore
+    # reads about the rank's own bytes.
     out = tmp_path / "growth.json"
     run_ranks(2, _save_growth, str(tmp_path), str(out), timeout=240)
     whole = _WIDE * _WIDE * 4
     for rank, growth in enumerate(json.loads(out.read_text())):
-        for mode, grown in growth.items():
-            print(f"rank {rank} {mode}: peak growth {grown / 2**20:.1f} MiB")
-            assert grown < 0.75 * whole, (rank, mode, grown)
+        for mode in ("sync", "async"):
+            print(f"rank {rank} {mode}: peak growth {growth[mode] / 2**20:.1f} MiB")
+            assert growth[mode] < 0.75 * whole, (rank, mode, growth[mode])
+        print(f"rank {rank} restore: read {growth['read'] / 2**20:.2f} MiB")
+        assert growth["read"] <= 1.1 * growth["local"] + 2**20, (rank, growth)
 
 
 # ------------------------------------------------------------------------- plan errors
