@@ -155,7 +155,7 @@ def layout_of(tensor: Any) -> Layout | None:
 
 
 # How much a round of a move sends at most, per rank: a move runs in rounds of row slabs, so
-# that its buffers stay a fraction of the shard (at least 8 rounds once a share is 1 MiB).
+# that its buffers stay a fraction of the shard (at least 4 rounds once a share is 1 MiB).
 ROUND_BYTES = 16 * 2**20
 
 
@@ -166,7 +166,7 @@ def slabs(layout: Layout, itemsize: int) -> list[tuple[Box, ...]]:
         return [shares]
     most = max(box.shape[0] for box in shares)
     share_bytes = most * math.prod(layout.shape[1:]) * itemsize
-    count = max(-(-share_bytes // ROUND_BYTES), 8 if share_bytes >= 2**20 else 1)
+    count = max(-(-share_bytes // ROUND_BYTES), 4 if share_bytes >= 2**20 else 1)
     count = max(1, min(count, most))
     out = []
     for k in range(count):
