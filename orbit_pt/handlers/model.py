@@ -59,7 +59,6 @@ from orbit_pt._format.sharding import (
     piece_of,
     read_local,
     row_block,
-    settle,
     settle_union,
     stage_pieces,
     write_files,
@@ -375,7 +374,7 @@ class ModelHandler:
     def _collect(self, module: torch.nn.Module, context: HandlerContext) -> _StagedModel:
         """What this rank writes (one piece per tied group, still the module's own memory).
 
-        Collective (:func:`~orbit_pt._format.sharding.settle`): every rank calls it for the same
+        Collective (:func:`~orbit_pt._format.sharding.settle_union`): every rank calls it for the same
         item, at the same point.
         """
         peft_model = _peft.peft_model(module)
@@ -398,13 +397,8 @@ class ModelHandler:
         # The config check needs every stage's names and shapes under pipeline stages: they
         # ride on the tensors agreement (gathered only when the ranks hold different tensors).
         shapes = {name: list(tensor.shape) for name, tensor in state.items()}
-        tensors, stages = settle_union(
-            tensors,
-            rank=context.rank,
-            world_size=context.world_size,
-            collective=context.collective,
-            what=f"the model of step {context.step}",
-            extra={"shapes": shapes, "saved": sorted(kept)},
+        tensors, stages = self._settle(
+            tensors, context, extra={"shapes": shapes, "saved": sorted(kept)}
         )
         saved = set(kept)
         for stage in stages or ():
@@ -417,14 +411,18 @@ class ModelHandler:
         )
         return _StagedModel(tensors, tied, documents)
 
-    def _settle(self, tensors: Mapping[str, Piece], context: HandlerContext) -> dict[str, Piece]:
-        """Every rank's tensors agreed (their union under pipeline stages), each with one writer."""
-        return settle(
+    def _settle(
+        self, tensors: Mapping[str, Piece], context: HandlerContext, extra: Any = None
+    ) -> tuple[dict[str, Piece], list[Any] | None]:
+        """Every rank's tensors agreed (their union under pipeline stages), each with one
+        writer; and every rank's ``extra`` on rank 0 when the ranks differ."""
+        return settle_union(
             tensors,
             rank=context.rank,
             world_size=context.world_size,
             collective=context.collective,
             what=f"the model of step {context.step}",
+            extra=extra,
         )
 
     def _collect_adapters(self, model: Any, context: HandlerContext) -> _StagedModel:
@@ -447,7 +445,7 @@ class ModelHandler:
                 bases,
             )
         adapters = tuple(replace(part, tensors={}) for part in parts)  # drop the live tensors
-        return _StagedModel(self._settle(tensors, context), {}, {}, adapters)
+        return _StagedModel(self._settle(tensors, context)[0], {}, {}, adapters)
 
     def _file_dtype(self, dtype: torch.dtype) -> torch.dtype:
         if self.export_dtype is not None and dtype.is_floating_point:
