@@ -374,8 +374,8 @@ class ModelHandler:
     def _collect(self, module: torch.nn.Module, context: HandlerContext) -> _StagedModel:
         """What this rank writes (one piece per tied group, still the module's own memory).
 
-        Collective (:func:`~orbit_pt._format.sharding.settle_union`): every rank calls it for the same
-        item, at the same point.
+        Collective (:func:`~orbit_pt._format.sharding.settle_union`): every rank calls it for the
+        same item, at the same point.
         """
         peft_model = _peft.peft_model(module)
         if peft_model is not None:
