@@ -375,6 +375,9 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, job
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # torchrun sets OMP_NUM_THREADS=1 for each worker when it starts several per node; without
+    # it, 4 ranks x 2 intra-op threads on 2 cores spin against each other in every large copy.
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model, optimizer = _build(args, titan=job["mode"].startswith("titan"))
     shard_mib = sum(t.nbytes for t in _local_tensors(model, optimizer)) / 2**20
@@ -595,6 +598,12 @@ def main() -> None:
         help="fsdp: FSDP2; fsdp_tp: FSDP x TP on a (ranks / 2) x 2 mesh; pp: pipeline stages",
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every mode")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads per rank (default 1: torchrun's OMP_NUM_THREADS per worker)",
+    )
     parser.add_argument(
         "--modes", default=",".join(MODES), help="comma-separated modes to run (default: all)"
     )

@@ -10,6 +10,7 @@ and onto one process. No rank logs a gather.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import sys
@@ -36,6 +37,7 @@ from orbit_pt import (
     CheckpointSaveError,
     load_pretrained,
 )
+from orbit_pt._format import layouts as _layouts
 from orbit_pt.errors import CheckpointError
 from orbit_pt.handlers import OptimizerHandler
 
@@ -222,12 +224,18 @@ def _save_and_reshard(
         with CheckpointManager(root, options=options, handlers=_handlers()) as mgr:
             mgr.save(1, {"model": model, "optimizer": optimizer}, force=True)
             mgr.wait_until_finished()
-        for layout in others:
+        # Boxes that are not whole rows: moved as rows between ranks (these tiny models' runs
+        # are short), then read run by run straight from the file (MIN_DIRECT_RUN = 1).
+        for layout, min_run in itertools.product(others, (_layouts.MIN_DIRECT_RUN, 1)):
             target = build(layout, 7, rank, world_size)
             target_opt = torch.optim.AdamW(_parameters(target), lr=1e-3, foreach=False)
             _step(target_opt)  # other state, to be overwritten
-            with CheckpointManager(root, handlers=_handlers()) as mgr:
-                mgr.restore(1, {"model": target, "optimizer": target_opt})
+            default, _layouts.MIN_DIRECT_RUN = _layouts.MIN_DIRECT_RUN, min_run
+            try:
+                with CheckpointManager(root, handlers=_handlers()) as mgr:
+                    mgr.restore(1, {"model": target, "optimizer": target_opt})
+            finally:
+                _layouts.MIN_DIRECT_RUN = default
             got, got_state = full(target), optimizer_state(target, target_opt)
             assert got.keys() <= saved.keys(), (layout, got.keys() - saved.keys())
             for name, value in got.items():
@@ -274,6 +282,25 @@ def _check_folder(tmp_path: Path, root: Path, *, tied: bool = False) -> None:
     for name, value in unsharded.state_dict().items():
         assert torch.equal(target.state_dict()[name], value), name
     assert len(optimizer.state) == len(list(target.parameters()))
+
+
+@pytest.mark.parametrize(
+    ("offset", "shape"),
+    [((0, 0), (6, 5)), ((2, 0), (3, 5)), ((1, 2), (4, 3)), ((0, 4), (6, 1)), ((3, 1), (0, 2))],
+)
+def test_a_box_is_read_as_its_runs_in_row_major_order(
+    offset: tuple[int, int], shape: tuple[int, int]
+) -> None:
+    # 3-D: the box spans the last dim (runs of 4 x 5 x ...) or cuts it (runs inside a row).
+    full = (3, 6, 5)
+    values = torch.arange(90).reshape(full)
+    for lead in ((0, 3), (1, 2)):
+        box = _layouts.Box((lead[0], *offset), (lead[1], *shape))
+        offsets, run = _layouts.runs(box, full)
+        got = [values.flatten()[o : o + run] for o in offsets]
+        want = values[box.within(_layouts.Box((0, 0, 0), full))].flatten()
+        assert torch.equal(torch.cat(got) if got else torch.tensor([]).long(), want), box
+        assert run == _layouts.run_length(box, full)
 
 
 def test_tensor_parallel_saves_rows_and_restores_onto_fsdp_and_stages(tmp_path: Path) -> None:
@@ -401,16 +428,23 @@ def _save_growth(rank: int, world_size: int, root: str, out: str) -> None:
             mgr.wait_until_finished()
             growth["async" if async_save else "sync"] = (_kib("VmHWM") - before) * 1024
             dist.barrier()
-    # The restore reads the rows covering this rank's share, then moves them among the ranks:
-    # every byte read from the file is counted at the syscall (os.preadv / os.pread).
-    torch.manual_seed(1)
-    target = torch.nn.Sequential(torch.nn.Linear(_WIDE, _WIDE, bias=False))
-    parallelize_module(target, init_device_mesh("cpu", (world_size,)), {"0": RowwiseParallel()})
-    read = _count_reads()
-    with read, CheckpointManager(f"{root}/False") as mgr:
-        mgr.restore(2, {"model": target})
-    assert torch.equal(full(target)["0.weight"], full(model)["0.weight"])
-    growth["read"] = read.bytes
+    # The restore reads this rank's columns run by run (2048 elements per row), or, with moves
+    # forced, the rows of its share, moved among the ranks: every byte read from the file is
+    # counted at the syscall (os.preadv / os.pread).
+    for path, min_run in (("direct", _layouts.MIN_DIRECT_RUN), ("moved", 10**9)):
+        torch.manual_seed(1)
+        target = torch.nn.Sequential(torch.nn.Linear(_WIDE, _WIDE, bias=False))
+        mesh = init_device_mesh("cpu", (world_size,))
+        parallelize_module(target, mesh, {"0": RowwiseParallel()})
+        read = _count_reads()
+        default, _layouts.MIN_DIRECT_RUN = _layouts.MIN_DIRECT_RUN, min_run
+        try:
+            with read, CheckpointManager(f"{root}/False") as mgr:
+                mgr.restore(2, {"model": target})
+        finally:
+            _layouts.MIN_DIRECT_RUN = default
+        assert torch.equal(full(target)["0.weight"], full(model)["0.weight"]), path
+        growth[f"read {path}"] = read.bytes
     growth["local"] = target[0].weight.to_local().nbytes  # type: ignore[union-attr,operator]
     reports = gather(growth)
     if rank == 0:
@@ -455,8 +489,10 @@ def test_a_column_sharded_save_holds_a_shard_not_the_tensor(tmp_path: Path) -> N
         for mode in ("sync", "async"):
             print(f"rank {rank} {mode}: peak growth {growth[mode] / 2**20:.1f} MiB")
             assert growth[mode] < 0.75 * whole, (rank, mode, growth[mode])
-        print(f"rank {rank} restore: read {growth['read'] / 2**20:.2f} MiB")
-        assert growth["read"] <= 1.1 * growth["local"] + 2**20, (rank, growth)
+        for path in ("direct", "moved"):
+            read = growth[f"read {path}"]
+            print(f"rank {rank} restore ({path}): read {read / 2**20:.2f} MiB")
+            assert read <= 1.1 * growth["local"] + 2**20, (rank, path, growth)
 
 
 # ------------------------------------------------------------------------- plan errors

@@ -12,6 +12,7 @@ See docs/layouts.md.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -114,11 +115,16 @@ def layout_of(tensor: Any) -> Layout | None:
     Raises CheckpointValueError for placements that are not shards or replicas (a ``Partial``
     DTensor must be reduced by its owner first: ``redistribute(..., Replicate())``).
     """
-    mesh = tensor.device_mesh
+    return _layout(tensor.device_mesh, tuple(tensor.placements), tuple(tensor.shape))
+
+
+# A model's layers share a few (mesh, placements, shape) triples; working each member's box out
+# costs milliseconds, and a save or restore asks for every tensor's layout more than once.
+@functools.lru_cache(maxsize=4096)
+def _layout(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -> Layout | None:
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return None
-    placements = tuple(tensor.placements)
     for placement in placements:
         if not isinstance(placement, (*SHARDS, Replicate)):
             raise CheckpointValueError(
@@ -129,7 +135,6 @@ def layout_of(tensor: Any) -> Layout | None:
             )
     ranks = mesh.mesh
     mesh_shape = tuple(ranks.shape)
-    shape = tuple(tensor.shape)
     sharded = [d for d, p in enumerate(placements) if isinstance(p, SHARDS)]
     replicated = [d for d, p in enumerate(placements) if not isinstance(p, SHARDS)]
     group: list[int] = []
@@ -178,6 +183,51 @@ def slabs(layout: Layout, itemsize: int) -> list[tuple[Box, ...]]:
             round_boxes.append(Box((first, *box.offset[1:]), (last - first, *box.shape[1:])))
         out.append(tuple(round_boxes))
     return out
+
+
+# A box that is not whole rows is a run of contiguous elements per index of its leading
+# dimensions. From a file on this machine's disk, runs of at least this many elements are read
+# straight into the rank's shard (one pread per run, through the page cache the node's tensor
+# parallel ranks share); shorter runs, and ranged requests to object storage, cost less as
+# whole rows read once by their owner and moved between ranks (:func:`from_rows`).
+MIN_DIRECT_RUN = 1024
+
+
+def _last_partial(box: Box, full: Sequence[int]) -> int:
+    """The last dimension the box does not span (-1 for the whole tensor)."""
+    return max((d for d in range(len(full)) if box.shape[d] != full[d]), default=-1)
+
+
+def run_length(box: Box, full: Sequence[int]) -> int:
+    """How many elements of the box lie contiguous in the row-major ``full`` tensor."""
+    last = _last_partial(box, full)
+    return box.numel() if last < 0 else box.shape[last] * math.prod(full[last + 1 :])
+
+
+def runs(box: Box, full: Sequence[int]) -> tuple[list[int], int]:
+    """The element offsets in the row-major ``full`` tensor of the box's contiguous runs, in
+    the box's own row-major order, and the length of each run."""
+    last = _last_partial(box, full)
+    run = run_length(box, full)
+    if last < 0 or box.numel() == 0:
+        return ([0] if box.numel() else []), run
+    strides = [math.prod(full[d + 1 :]) for d in range(len(full))]
+    base = sum(o * st for o, st in zip(box.offset, strides, strict=True))
+    offsets = [base]
+    for d in range(last - 1, -1, -1):  # each leading dimension repeats the runs within it
+        offsets = [o + i * strides[d] for i in range(box.shape[d]) for o in offsets]
+    return offsets, run
+
+
+def reads_direct(layout: Layout, *, remote: bool) -> bool:
+    """Whether every member of the replica group reads its box of a file straight into its
+    shard (no moves), rather than :func:`from_rows` (collective: the same answer on every
+    member, since it depends only on the group's boxes and the kind of storage)."""
+    if remote or not layout.shape:
+        return False
+    return all(
+        run_length(box, layout.shape) >= MIN_DIRECT_RUN for box in layout.boxes if box.numel()
+    )
 
 
 def to_rows(layout: Layout, local: torch.Tensor) -> tuple[Box, torch.Tensor]:

@@ -311,6 +311,17 @@ class SafetensorsReader:
         finally:
             os.close(fd)
 
+    def read_runs(self, offsets: Sequence[int], run: int, view: memoryview) -> None:
+        """Fill ``view`` with ``run`` bytes from each absolute offset, one after another: a
+        block of a tensor that is not whole rows, read with one open file (local files only)."""
+        assert self._remote is None, "ranged requests read whole rows (layouts.from_rows)"
+        fd = self._open()
+        try:
+            for k, offset in enumerate(offsets):
+                _read_into(fd, offset, view[k * run : (k + 1) * run], self.path)
+        finally:
+            os.close(fd)
+
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read tensor ``name`` into ``out`` (same dtype and shape, contiguous CPU) or a new one."""
         entry = self.entries[name]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -402,11 +403,16 @@ def _row_bytes(entry: TensorEntry) -> int:
 # ------------------------------------------------------------------------------------ restore
 
 
-def needs_exchange(like: Any) -> bool:
-    """Whether reading this rank's part of the DTensor ``like`` moves rows between ranks
-    (its local shard is not whole rows); such reads are collective within its replica group
-    and must run in the same order on every rank, never in a thread pool."""
-    return is_dtensor(like) and row_block(like) is None
+def needs_exchange(like: Any, *, remote: bool) -> bool:
+    """Whether reading this rank's part of the DTensor ``like`` moves rows between ranks (its
+    local shard is not whole rows, and is not read straight from a local file: see
+    :func:`._layouts.reads_direct`); such reads are collective within its replica group and
+    must run in the same order on every rank, never in a thread pool. ``remote``: the step is
+    read by ranged requests."""
+    if not is_dtensor(like) or row_block(like) is not None:
+        return False
+    layout = _layouts.layout_of(like)
+    return layout is not None and not _layouts.reads_direct(layout, remote=remote)
 
 
 def read_local(
@@ -414,10 +420,11 @@ def read_local(
 ) -> torch.Tensor:
     """This rank's part of tensor ``name``, laid out like the DTensor ``like``.
 
-    Row blocks are read straight from the file into ``out`` (or a new tensor). Any other layout
-    is read as the replica group's even share of whole rows -- each member reads its own rows
-    once -- and moved into the members' boxes (:func:`._layouts.from_rows`): no rank reads or
-    holds more than its share. The result has the file's dtype unless it was read into ``out``.
+    Row blocks are read straight from the file into ``out`` (or a new tensor), and so are other
+    boxes whose contiguous runs are long enough, from a local file. Any other layout is read as
+    the replica group's even share of whole rows -- each member reads its own rows once -- and
+    moved into the members' boxes (:func:`._layouts.from_rows`): no rank reads or holds more
+    than its share. The result has the file's dtype unless it was read into ``out``.
     """
     entry = reader.entries[name]
     layout = _layouts.layout_of(like)
@@ -430,6 +437,12 @@ def read_local(
     box = layout.box
     if not entry.shape or box.is_rows(entry.shape):
         return _read_rows(reader, entry, box, out)
+    if tuple(entry.shape) != layout.shape:
+        raise CorruptCheckpointError(
+            f"{reader.where}: {name!r} was saved with shape {tuple(entry.shape)}, but the "
+            f"DTensor restored into it has global shape {layout.shape}; the step does not fit "
+            "this model"
+        )
     local = like.to_local()
     target = (
         out if out is not None else torch.empty(box.shape, dtype=local.dtype, device=local.device)
@@ -438,8 +451,25 @@ def read_local(
         raise CorruptCheckpointError(
             f"{reader.where}: {name!r} does not fit its DTensor's local shard {tuple(target.shape)}"
         )
+    if _layouts.reads_direct(layout, remote=reader.is_remote):
+        return _read_box(reader, entry, box, target)
     _layouts.from_rows(layout, lambda rows: _read_rows(reader, entry, rows, None), target)
     return target
+
+
+def _read_box(
+    reader: SafetensorsReader, entry: TensorEntry, box: _layouts.Box, out: torch.Tensor
+) -> torch.Tensor:
+    """The elements of ``box``, read run by run from a local file into ``out``."""
+    direct = fits_in_place(out, entry.dtype, box.shape)
+    buffer = out if direct else torch.empty(box.shape, dtype=entry.dtype)
+    offsets, run = _layouts.runs(box, entry.shape)
+    itemsize = entry.nbytes // max(1, math.prod(entry.shape))
+    starts = [entry.start + offset * itemsize for offset in offsets]
+    reader.read_runs(starts, run * itemsize, tensor_bytes(buffer))
+    if not direct:
+        out.copy_(buffer)
+    return out
 
 
 def _read_rows(

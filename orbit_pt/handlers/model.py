@@ -575,10 +575,10 @@ class ModelHandler:
                 readers[name].read_into(name, tensor)
 
         remote = any(reader.is_remote for reader in readers.values())
-        # Layouts that are not whole rows move rows between ranks: in plan order, on this
-        # thread, never in the pool (the same order on every rank of the replica group).
-        moved = [planned for planned in plan.loads if needs_exchange(planned[1])]
-        loads = [planned for planned in plan.loads if not needs_exchange(planned[1])]
+        # Layouts that move rows between ranks: in plan order, on this thread, never in the
+        # pool (the same order on every rank of the replica group).
+        moved = [p for p in plan.loads if needs_exchange(p[1], remote=remote)]
+        loads = [p for p in plan.loads if not needs_exchange(p[1], remote=remote)]
         if remote:  # in file order: each run of small tensors is then fetched once
             loads = sorted(
                 loads, key=lambda planned: _file_position(readers[planned[0]], planned[0])

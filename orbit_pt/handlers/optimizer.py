@@ -264,7 +264,7 @@ class OptimizerHandler:
 
         # By ranged requests (object storage), several parameters' state at once -- unless a
         # layout moves rows between ranks, which must happen in the same order on every rank.
-        moves = any(needs_exchange(param) for _, param in pairs)
+        moves = any(needs_exchange(param, remote=reader.is_remote) for _, param in pairs)
         for_each(range(len(pairs)), read, remote=reader.is_remote and not moves)
         state = dict(sorted(state.items()))
         live_groups = list(optimizer.param_groups)
