@@ -13,6 +13,11 @@ state exists) is saved and restored by each mode, each (round, mode) in fresh pr
   enable_consolidation=True)``: every rank writes a shard file, then rank 0 consolidates them into
   one HF safetensors file (torchtitan's ``last_save_in_hf`` path without an index mapping).
   safetensors holds tensors only, so the optimizer's ``param_groups`` are left out;
+- ``tc sync``: ``torch_checkpointing.CheckpointManager`` (0.1.1, the backend torchtitan 0.3 ships
+  beside DCP) with a sync saver and buffered writes (``use_direct_io=False``: its O_DIRECT stream
+  fails with EINVAL on a file's unaligned tail here), each rank's state dict as one torch.save
+  file per item. Its resharding metadata all-gathers on ``device="cuda"`` in 0.1.1, so on CPU it
+  saves without a resharder and restores the same layout only; skipped when it is not installed;
 - ``titan sync`` / ``titan async``: torchtitan's own ``CheckpointManager`` (DCP underneath), only
   with ``--torchtitan DIR`` (see that flag).
 
@@ -55,6 +60,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 MODES: tuple[str, ...] = ("orbit sync", "orbit async", "dcp sync", "dcp async", "dcp hf")
+MODES += ("tc sync",)  # only when torch_checkpointing is installed
 MODES += ("titan sync", "titan async")  # only with --torchtitan
 BASELINE = "dcp sync"
 STEP = 1
@@ -283,6 +289,37 @@ class _DcpHf(_Dcp):
         )
 
 
+class _TorchCheckpointing(_Dcp):
+    """torch_checkpointing's CheckpointManager, in the configuration that runs on CPU."""
+
+    def __init__(self, root: Path, model: Any, optimizer: Any) -> None:
+        import torch_checkpointing as tc
+        from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+        super().__init__(root, model, optimizer, async_=False)
+        config = tc.CheckpointManager.Config(
+            items={"model": tc.ItemSpec(), "optimizer": tc.ItemSpec()},
+            save=tc.SyncCheckpointSaverConfig(),
+            storage_config=LocalFileSystemStorageConfig(use_direct_io=False),
+        )
+        self.mgr = tc.CheckpointManager(config)
+
+    def save(self) -> None:
+        self.mgr.save(self.path, self._state())
+
+    def restore(self) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._state()
+        self.mgr.load(self.path, into=state)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+
+
 class _Titan:
     """torchtitan's CheckpointManager, built as its trainer builds it (no data loader)."""
 
@@ -327,6 +364,8 @@ def _saver(mode: str, root: Path, model: Any, optimizer: Any) -> _Saver:
         return _Orbit(root, model, optimizer, async_=async_)
     if mode == "dcp hf":
         return _DcpHf(root, model, optimizer)
+    if mode == "tc sync":
+        return _TorchCheckpointing(root, model, optimizer)
     if mode.startswith("dcp"):
         return _Dcp(root, model, optimizer, async_=async_)
     return _Titan(root, model, optimizer, async_=async_)
@@ -624,6 +663,13 @@ def main() -> None:
     skipped = {}
     if not args.torchtitan:
         skipped = {m: "pass --torchtitan DIR to run it" for m in modes if m.startswith("titan")}
+        modes = [m for m in modes if m not in skipped]
+    try:
+        import torch_checkpointing  # noqa: F401
+    except ImportError:
+        skipped.update(
+            {m: "pip install torch_checkpointing to run it" for m in modes if m == "tc sync"}
+        )
         modes = [m for m in modes if m not in skipped]
     if args.layout == "fsdp_tp" and args.ranks % 2:
         parser.error("--layout fsdp_tp needs an even --ranks (the mesh is ranks / 2 x 2)")
