@@ -293,16 +293,18 @@ class _TorchCheckpointing(_Dcp):
     """torch_checkpointing's CheckpointManager, in the configuration that runs on CPU."""
 
     def __init__(self, root: Path, model: Any, optimizer: Any) -> None:
-        import torch_checkpointing as tc
+        from torch_checkpointing.checkpoint_manager import CheckpointManager
+        from torch_checkpointing.config import SyncCheckpointSaverConfig
+        from torch_checkpointing.schema import ItemSpec
         from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
         super().__init__(root, model, optimizer, async_=False)
-        config = tc.CheckpointManager.Config(
-            items={"model": tc.ItemSpec(), "optimizer": tc.ItemSpec()},
-            save=tc.SyncCheckpointSaverConfig(),
+        config = CheckpointManager.Config(
+            items={"model": ItemSpec(), "optimizer": ItemSpec()},
+            save=SyncCheckpointSaverConfig(),
             storage_config=LocalFileSystemStorageConfig(use_direct_io=False),
         )
-        self.mgr = tc.CheckpointManager(config)
+        self.mgr = CheckpointManager(config)
 
     def save(self) -> None:
         self.mgr.save(self.path, self._state())
