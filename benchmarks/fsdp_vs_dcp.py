@@ -27,7 +27,8 @@ the growth of each rank's peak resident set during the save (``VmHWM``, reset th
 ``/proc/self/clear_refs``, over ``VmRSS`` before). Then the live state is zeroed and restored from
 the checkpoint into the sharded model (orbit: ``mgr.restore``; DCP: ``dcp.load`` +
 ``set_state_dict``), timed, and checked against a fingerprint taken before the save. Restores read
-the files just written, so they come from the page cache (dropping it needs root): warm restores.
+the files just written: warm, from whatever of them the page cache holds (buffered writes leave
+all of it there, O_DIRECT writes none), unless ``--cold`` drops the cache first (needs root).
 
 Ratios are medians over rounds of per-round ratios against ``dcp sync`` (each round runs every mode
 back to back, starting at another mode each round, so a ratio compares runs that shared the
@@ -409,6 +410,17 @@ class _Span:
         self.peak_mib = (_rss_kib("VmHWM") - self.before) / 1024
 
 
+def _drop_page_cache() -> None:
+    """Evict the files just written from the page cache (on every rank's machine: here one),
+    so that every mode restores from the disk: O_DIRECT writes never enter the cache, buffered
+    ones stay there, and a warm restore would compare memory against the disk."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1")
+    dist.barrier()
+
+
 def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, job: dict) -> None:
     """One save and one restore of one mode, in fresh processes."""
     if args.torchtitan:
@@ -430,6 +442,8 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, job
         saver.wait()
     expected = _fingerprint(model, optimizer)
     _zero(model, optimizer)
+    if args.cold:
+        _drop_page_cache()
     with _Span() as restore:
         saver.restore()
     wrong = sum(a != b for a, b in zip(_fingerprint(model, optimizer), expected, strict=True))
@@ -555,7 +569,10 @@ def _print(args: argparse.Namespace, table: dict[str, dict], failed: dict[str, s
             f"{'yes' if not row['wrong'] else str(row['wrong']) + ' wrong':9} |"
         )
     print(f"shard per rank: {max(r['shard'] for r in table.values()):.0f} MiB of state")
-    print("restore: warm (the files were just written; dropping the page cache needs root)")
+    if args.cold:
+        print("restore: cold (the page cache was dropped before every restore)")
+    else:
+        print("restore: warm (the files were just written; --cold drops the page cache first)")
     print("restored?: local tensors (all ranks) whose sum after the restore differs from before")
     for mode, why in failed.items():
         print(f"{mode}: could not run: {why}")
@@ -639,6 +656,11 @@ def main() -> None:
         help="fsdp: FSDP2; fsdp_tp: FSDP x TP on a (ranks / 2) x 2 mesh; pp: pipeline stages",
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every mode")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="drop the page cache before every restore (needs root: /proc/sys/vm/drop_caches)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
