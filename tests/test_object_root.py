@@ -375,12 +375,40 @@ def _fsdp_restore(rank: int, world_size: int, url: str, options: dict[str, Any],
         assert torch.equal(value.full_tensor(), expected[name]), name
 
 
-def test_fsdp2_save_restores_on_1_2_and_3_ranks(root: dict[str, Any], tmp_path: Path) -> None:
+def _tp_restore(rank: int, world_size: int, url: str, options: dict[str, Any], want: str) -> None:
+    """Onto tensor parallel ranks: the RowwiseParallel weight (Shard(1)) is read by ranged
+    requests as rows of the ranks' shares, then moved into their column blocks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    model = _model(5)
+    mesh = init_device_mesh("cpu", (world_size,))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    assert model[2].weight.placements == (Shard(1),)  # type: ignore[union-attr]
+    optimizer = torch.optim.AdamW(model.parameters())
+    _train(model, optimizer, steps=1)  # state of its own, to be overwritten
+    storage = {**options, "cache_dir": options["cache_dir"] + "-tp"}
+    with CheckpointManager(url, storage_options=storage) as mgr:
+        mgr.restore(1, {"model": model, "optimizer": optimizer})
+    expected = safetensors.torch.load_file(want)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value.full_tensor(), expected[name]), name
+
+
+def test_fsdp2_save_restores_on_1_2_and_3_ranks_and_onto_tensor_parallel(
+    root: dict[str, Any], tmp_path: Path
+) -> None:
     options = root["options"]
     run_ranks(2, _fsdp_save, root["url"], options, timeout=240)
     want = str(tmp_path / "want.pt")
     for world_size in (1, 2, 3):
         run_ranks(world_size, _fsdp_restore, root["url"], options, want, timeout=240)
+    run_ranks(2, _tp_restore, root["url"], options, want, timeout=240)
 
 
 # --------------------------------------------------------------------------------------- CLI
