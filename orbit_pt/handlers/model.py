@@ -48,6 +48,7 @@ from orbit_pt._format.safetensors import (
     HEADER_METADATA,
     PlannedFile,
     SafetensorsReader,
+    check_storable,
     dtype_name,
     plan_file,
     torch_dtype_name,
@@ -937,18 +938,11 @@ def _check_module(item: Any, action: str) -> torch.nn.Module:
 
 
 def _check_savable(name: str, tensor: torch.Tensor) -> None:
-    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
-        raise CheckpointTypeError(
-            f"model tensor {name!r} is not a dense tensor ({tensor.layout}); only dense tensors "
-            "can be written to safetensors -- call .to_dense() or dequantize it first"
-        )
-    if tensor.device.type == "meta":
-        raise CheckpointValueError(
-            f"model tensor {name!r} is on the meta device and has no data; materialize the "
-            "module (e.g. to_empty + init) before saving it"
-        )
+    """Here, before any agreement, so that only this rank fails: a tensor without dense
+    bytes, or of a dtype safetensors cannot store."""
+    check_storable(name, tensor)
     try:
-        dtype_name(tensor.dtype)  # here, before any agreement: only this rank fails
+        dtype_name(tensor.dtype)
     except CheckpointTypeError as exc:
         raise CheckpointTypeError(f"model tensor {name!r}: {exc}") from None
 
