@@ -527,6 +527,28 @@ def test_one_rank_failing_before_rows_move_fails_every_rank(tmp_path: Path) -> N
     run_ranks(2, _one_rank_fails_before_the_tensors_agreement, str(tmp_path), timeout=120)
 
 
+def _rank_0_fails_merging_the_stages(rank: int, world_size: int, root: str) -> None:
+    from orbit_pt.handlers import optimizer as optimizer_handler
+
+    model = build("pp2", 0, rank, world_size)
+    optimizer = torch.optim.AdamW(_parameters(model), lr=1e-3, foreach=False)
+    _step(optimizer)
+    if rank == 0:  # after the union agreement, only rank 0 merges the stages' structures
+
+        def broken(packed: Any) -> bytes:
+            raise OSError("merging the stages failed here")
+
+        optimizer_handler.merge_structures = broken  # type: ignore[assignment]
+    with CheckpointManager(root, handlers=_handlers()) as mgr:
+        with pytest.raises(CheckpointSaveError, match=r"rank\(s\) \[0\]"):
+            mgr.save(1, {"model": model, "optimizer": optimizer}, force=True)
+        assert mgr.all_steps() == []
+
+
+def test_rank_0_failing_to_merge_the_stages_optimizers_fails_every_rank(tmp_path: Path) -> None:
+    run_ranks(2, _rank_0_fails_merging_the_stages, str(tmp_path), timeout=120)
+
+
 def _one_rank_does_not_fit(rank: int, world_size: int, root: str) -> None:
     model = build("tp", 0, rank, world_size)
     with CheckpointManager(root) as mgr:
