@@ -538,7 +538,7 @@ def _rank_0_fails_merging_the_stages(rank: int, world_size: int, root: str) -> N
         def broken(packed: Any) -> bytes:
             raise OSError("merging the stages failed here")
 
-        optimizer_handler.merge_structures = broken  # type: ignore[assignment]
+        optimizer_handler.merge_structures = broken  # type: ignore[attr-defined]
     with CheckpointManager(root, handlers=_handlers()) as mgr:
         with pytest.raises(CheckpointSaveError, match=r"rank\(s\) \[0\]"):
             mgr.save(1, {"model": model, "optimizer": optimizer}, force=True)
