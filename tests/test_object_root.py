@@ -389,7 +389,7 @@ def _tp_restore(rank: int, world_size: int, url: str, options: dict[str, Any], w
     model = _model(5)
     mesh = init_device_mesh("cpu", (world_size,))
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    assert model[2].weight.placements == (Shard(1),)  # type: ignore[union-attr]
+    assert model[2].weight.placements == (Shard(1),)  # type: ignore[index]
     optimizer = torch.optim.AdamW(model.parameters())
     _train(model, optimizer, steps=1)  # state of its own, to be overwritten
     storage = {**options, "cache_dir": options["cache_dir"] + "-tp"}
