@@ -416,6 +416,7 @@ class CheckpointManager:
             rank=self._dist.rank,
             world_size=self._dist.world_size,
             collective=self._dist,
+            shared_files=self._store.remote is None,
         )
         try:
             handlers, metric_values = self._plan(step, items, metrics)

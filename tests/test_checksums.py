@@ -186,3 +186,43 @@ def test_a_piecewise_file_is_checksummed_without_reading_it_back(
         assert recorded == _checksum.format_crc(_checksum.crc_of(data))
         assert mgr.restore(1, {"blob": None}, verify=True)["blob"] == data
     assert "blob.bin" in read_back  # verify read it, and its checksum matched
+
+
+def test_boxes_written_in_runs_fold_into_the_files_checksum() -> None:
+    """Two 'ranks' writing the column halves of one tensor run by run (each run's CRC folded
+    over its box's span with zeros between), and rank 0 its header as one range: the ranks'
+    summaries give the file's CRC and a cover with no hole; a range over a box is refused."""
+    import random
+
+    from orbit_pt._format import coverage
+
+    rng = random.Random(5)
+    header, rows, half = 40, 6, 1500  # a 6 x 3000-byte tensor after a 40-byte header
+    data = rng.randbytes(header + rows * 2 * half)
+    size = len(data)
+    writes: dict[int, list[coverage.Write]] = {0: [(0, header, _checksum.crc_of(data[:header]))]}
+    writes[1] = []
+    for rank in (0, 1):
+        starts = [header + r * 2 * half + rank * half for r in range(rows)]
+        crc = _checksum.RangeChecksum()
+        for k, at in enumerate(starts):
+            if k:
+                crc.skip(at - starts[k - 1] - half)
+            crc.update(data[at : at + half])
+        with coverage.recording() as table:
+            coverage.record_runs(Path("f"), starts, half, crc.crc)
+        writes[rank] += list(next(iter(table.values())))
+    by_rank = {rank: coverage.summary(size, coverage.segments(w)) for rank, w in writes.items()}
+    assert coverage.summary_problems(size, by_rank) == []
+    assert coverage.fold_summaries(size, by_rank) == _checksum.format_crc(_checksum.crc_of(data))
+    # A rank that also claims a byte of the other's box is caught by the position sums.
+    doubled = {**by_rank, 1: coverage.summary(size, coverage.segments([*writes[1], (0, 1, 0)]))}
+    assert coverage.summary_problems(size, doubled) != []
+    with pytest.raises(ValueError, match="overlaps a box this rank wrote in runs"):
+        coverage.segments([*writes[0], (header + 10, 5, 0)])
+    # Skipping a long gap uses the arithmetic, a short one the instruction: the same CRC.
+    for gap in (3, 1 << 21):
+        skipped = _checksum.RangeChecksum()
+        skipped.update(b"abc")
+        skipped.skip(gap)
+        assert skipped.crc == _checksum.crc_of(b"abc" + bytes(gap))

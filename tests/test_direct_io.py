@@ -27,6 +27,12 @@ from orbit_pt._format.safetensors import tensor_bytes
 MB = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def _direct_from_4_mib(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct path's mechanics, at sizes a test can afford (the default starts at 64 MiB)."""
+    monkeypatch.setattr(_direct_io, "_DIRECT_MIN", 4 * MB)
+
+
 def _views() -> list[memoryview]:
     torch.manual_seed(0)
     # Sizes that straddle the aligned body: tiny, odd, several bounce buffers' worth.
@@ -424,3 +430,38 @@ def test_progress_counts_the_bytes_of_writer_threads(direct_disk: Path) -> None:
     finally:
         _progress._current.reset(token)
     assert progress.done == len(data)
+
+
+@pytest.mark.parametrize(
+    ("run", "window", "readonly"),
+    [(4096, 16 << 20, False), (1000, 8192, False), (1000, 8192, True), (1 << 20, 16 << 20, False)],
+)
+def test_runs_land_at_their_offsets_and_leave_the_gaps_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run: int, window: int, readonly: bool
+) -> None:
+    """A box written run by run (mapped windows, several of them when the window is small;
+    ``pwrite`` for long runs): every run at its offset, every byte between them untouched, and
+    each run reported to the watch once."""
+    monkeypatch.setattr(_direct_io, "_RUN_WINDOW", window)
+    count, stride, first = 9, 3 * run + 5, 123  # runs neither aligned nor a page apart
+    starts = [first + k * stride for k in range(count)]
+    data = bytes(range(256)) * (run * count // 256 + 1)
+    data = data[: run * count]
+    path = tmp_path / "f"
+    size = starts[-1] + run + 77
+    path.write_bytes(b"\xee" * size)  # the other ranks' bytes
+    reported: list[tuple[int, bytes]] = []
+    with _direct_io.watching(lambda p, n: lambda at, view: reported.append((at, bytes(view)))):
+        writer = RangeWriter(path)
+        try:
+            view = memoryview(data) if readonly else memoryview(bytearray(data))
+            writer.write_runs(starts, run, view)
+        finally:
+            writer.close()
+    expected = bytearray(b"\xee" * size)
+    for k, at in enumerate(starts):
+        expected[at : at + run] = data[k * run : (k + 1) * run]
+    assert path.read_bytes() == bytes(expected)
+    assert sorted(reported) == [(at, data[k * run : (k + 1) * run]) for k, at in enumerate(starts)]
+    with pytest.raises(ValueError, match="are not 9 runs"):
+        RangeWriter(path).write_runs(starts, run, memoryview(data[:-1]))

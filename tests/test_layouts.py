@@ -40,6 +40,7 @@ from orbit_pt import (
 from orbit_pt._format import layouts as _layouts
 from orbit_pt.errors import CheckpointError
 from orbit_pt.handlers import OptimizerHandler
+from orbit_pt.verify import verify_step
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
@@ -209,9 +210,19 @@ def _handlers() -> dict[str, Any]:
 
 
 def _save_and_reshard(
-    rank: int, world_size: int, root: str, save: str, others: list[str], async_save: bool
+    rank: int,
+    world_size: int,
+    root: str,
+    save: str,
+    others: list[str],
+    async_save: bool,
+    save_min_run: int | None = None,
 ) -> None:
-    """Save ``save``'s model + AdamW; restore onto each layout of ``others``; check bitwise."""
+    """Save ``save``'s model + AdamW; restore onto each layout of ``others``; check bitwise.
+
+    Boxes that are not whole rows are saved moved to rows (these tiny models' runs are
+    short), or, with ``save_min_run=1``, written run by run straight into the files.
+    """
     model = build(save, 0, rank, world_size)
     optimizer = torch.optim.AdamW(_parameters(model), lr=1e-3, foreach=False)
     _step(optimizer)
@@ -221,9 +232,14 @@ def _save_and_reshard(
     saved_state = {k: v for held in gather(state) for k, v in held.items()}  # type: ignore[attr-defined]
     options = CheckpointManagerOptions(async_save=async_save)
     with _Gathers() as gathers:
-        with CheckpointManager(root, options=options, handlers=_handlers()) as mgr:
-            mgr.save(1, {"model": model, "optimizer": optimizer}, force=True)
-            mgr.wait_until_finished()
+        default = _layouts.MIN_DIRECT_RUN
+        _layouts.MIN_DIRECT_RUN = default if save_min_run is None else save_min_run
+        try:
+            with CheckpointManager(root, options=options, handlers=_handlers()) as mgr:
+                mgr.save(1, {"model": model, "optimizer": optimizer}, force=True)
+                mgr.wait_until_finished()
+        finally:
+            _layouts.MIN_DIRECT_RUN = default
         # Boxes that are not whole rows: moved as rows between ranks (these tiny models' runs
         # are short), then read run by run straight from the file (MIN_DIRECT_RUN = 1).
         for layout, min_run in itertools.product(others, (_layouts.MIN_DIRECT_RUN, 1)):
@@ -312,7 +328,7 @@ def test_tensor_parallel_saves_rows_and_restores_onto_fsdp_and_stages(tmp_path: 
 def test_fsdp_x_tp_on_a_2x2_mesh_async(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     run_ranks(
-        4, _save_and_reshard, str(root), "fsdp_tp", ["hsdp", "tp", "fsdp_tp"], True, timeout=400
+        4, _save_and_reshard, str(root), "fsdp_tp", ["hsdp", "tp", "fsdp_tp"], True, 1, timeout=400
     )
     _check_folder(tmp_path, root)
 
@@ -415,19 +431,36 @@ def _save_growth(rank: int, world_size: int, root: str, out: str) -> None:
     parallelize_module(model, init_device_mesh("cpu", (world_size,)), {"0": RowwiseParallel()})
     assert model[0].weight.placements == (Shard(1),)  # type: ignore[union-attr]
     growth = {}
-    for async_save in (False, True):
+    whole_weight = full(model)["0.weight"]  # collective: taken before any measurement
+    # Written run by run (the default here: 2048-element runs), or moved to rows first (as on
+    # an object store, forced here by a minimum run no box meets).
+    default = _layouts.MIN_DIRECT_RUN
+    for (path, min_run), async_save in itertools.product(
+        (("runs", default), ("moved", 10**9)), (False, True)
+    ):
         options = CheckpointManagerOptions(async_save=async_save)
-        with CheckpointManager(f"{root}/{async_save}", options=options) as mgr:
-            mgr.save(1, {"model": model}, force=True)  # pages in the code any save runs
-            mgr.wait_until_finished()
-            gc.collect()
-            dist.barrier()
-            before = _kib("VmRSS")
-            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current resident set
-            mgr.save(2, {"model": model}, force=True)
-            mgr.wait_until_finished()
-            growth["async" if async_save else "sync"] = (_kib("VmHWM") - before) * 1024
-            dist.barrier()
+        _layouts.MIN_DIRECT_RUN = min_run
+        try:
+            with CheckpointManager(f"{root}/{path}-{async_save}", options=options) as mgr:
+                mgr.save(1, {"model": model}, force=True)  # pages in the code any save runs
+                mgr.wait_until_finished()
+                gc.collect()
+                dist.barrier()
+                before = _kib("VmRSS")
+                Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current resident
+                mgr.save(2, {"model": model}, force=True)
+                mgr.wait_until_finished()
+                mode = "async" if async_save else "sync"
+                growth[f"{mode} {path}"] = (_kib("VmHWM") - before) * 1024
+                dist.barrier()
+        finally:
+            _layouts.MIN_DIRECT_RUN = default
+        if rank == 0:  # both paths write the same bytes: the tensor, and a checksum that holds
+            step = Path(f"{root}/{path}-{async_save}/step_00000002")
+            saved = safetensors.torch.load_file(step / "model" / "model.safetensors")
+            assert torch.equal(saved["0.weight"], whole_weight), (path, async_save)
+            report = verify_step(step)
+            assert report.ok, report.problems
     # The restore reads this rank's columns run by run (2048 elements per row), or, with moves
     # forced, the rows of its share, moved among the ranks: every byte read from the file is
     # counted at the syscall (os.preadv / os.pread).
@@ -439,11 +472,11 @@ def _save_growth(rank: int, world_size: int, root: str, out: str) -> None:
         read = _count_reads()
         default, _layouts.MIN_DIRECT_RUN = _layouts.MIN_DIRECT_RUN, min_run
         try:
-            with read, CheckpointManager(f"{root}/False") as mgr:
+            with read, CheckpointManager(f"{root}/runs-False") as mgr:
                 mgr.restore(2, {"model": target})
         finally:
             _layouts.MIN_DIRECT_RUN = default
-        assert torch.equal(full(target)["0.weight"], full(model)["0.weight"]), path
+        assert torch.equal(full(target)["0.weight"], whole_weight), path
         growth[f"read {path}"] = read.bytes
     growth["local"] = target[0].weight.to_local().nbytes  # type: ignore[union-attr,operator]
     reports = gather(growth)
@@ -485,10 +518,13 @@ def test_a_column_sharded_save_holds_a_shard_not_the_tensor(tmp_path: Path) -> N
     out = tmp_path / "growth.json"
     run_ranks(2, _save_growth, str(tmp_path), str(out), timeout=240)
     whole = _WIDE * _WIDE * 4
-    for rank, growth in enumerate(json.loads(out.read_text())):
-        for mode in ("sync", "async"):
+    reports = json.loads(out.read_text())
+    for rank, growth in enumerate(reports):
+        for mode in ("sync runs", "async runs", "sync moved", "async moved"):
             print(f"rank {rank} {mode}: peak growth {growth[mode] / 2**20:.1f} MiB")
             assert growth[mode] < 0.75 * whole, (rank, mode, growth[mode])
+        # Written in runs, a synchronous save holds no copy of the shard at all.
+        assert growth["sync runs"] < 0.1 * whole, (rank, growth["sync runs"])
         for path in ("direct", "moved"):
             read = growth[f"read {path}"]
             print(f"rank {rank} restore ({path}): read {read / 2**20:.2f} MiB")
@@ -525,6 +561,34 @@ def _one_rank_fails_before_the_tensors_agreement(rank: int, world_size: int, roo
 
 def test_one_rank_failing_before_rows_move_fails_every_rank(tmp_path: Path) -> None:
     run_ranks(2, _one_rank_fails_before_the_tensors_agreement, str(tmp_path), timeout=120)
+
+
+def _one_rank_fails_writing_its_runs(rank: int, world_size: int, root: str) -> None:
+    from orbit_pt._format.direct_io import RangeWriter
+
+    model = build("tp", 0, rank, world_size)
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"model": model}, force=True)
+        real, default = RangeWriter.write_runs, _layouts.MIN_DIRECT_RUN
+        _layouts.MIN_DIRECT_RUN = 1  # every column box is written run by run
+
+        def broken(self: RangeWriter, *args: object) -> None:
+            raise OSError("injected: no space left on device")
+
+        if rank == 1:
+            RangeWriter.write_runs = broken  # type: ignore[method-assign]
+        try:
+            with pytest.raises(CheckpointSaveError, match=r"rank\(s\) \[1\].*injected"):
+                mgr.save(2, {"model": model}, force=True)
+        finally:
+            RangeWriter.write_runs, _layouts.MIN_DIRECT_RUN = real, default  # type: ignore[method-assign]
+        assert mgr.all_steps() == [1]
+        mgr.save(3, {"model": model}, force=True)  # and the next save goes through
+        assert mgr.all_steps() == [1, 3]
+
+
+def test_one_rank_failing_to_write_its_runs_fails_every_rank(tmp_path: Path) -> None:
+    run_ranks(2, _one_rank_fails_writing_its_runs, str(tmp_path), timeout=120)
 
 
 def _rank_0_fails_merging_the_stages(rank: int, world_size: int, root: str) -> None:

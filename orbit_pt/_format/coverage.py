@@ -26,7 +26,10 @@ from typing import Any
 
 from orbit_pt._format import checksum as _checksum
 
-Write = tuple[int, int, int | None]  # (offset, length, CRC-32C of the bytes or None)
+Write = tuple[int, int, int | None] | tuple[int, int, int, int, int, int]
+"""``(offset, length, CRC-32C of the bytes or None)`` for a range; a box written run by run
+(:func:`record_runs`) adds ``written, sum p, sum p^2``: its CRC then covers ``length`` bytes
+with zeros between the runs, and only ``written`` of them are this rank's."""
 
 _recording: contextvars.ContextVar[dict[str, list[Write]] | None] = contextvars.ContextVar(
     "orbit_pt_coverage", default=None
@@ -57,16 +60,45 @@ def record(path: Path, offset: int, length: int, crc: int | None) -> None:
         table.setdefault(str(Path(path).absolute()), []).append((offset, length, crc))
 
 
+def record_runs(path: Path, starts: Sequence[int], run: int, crc: int) -> None:
+    """Note that ``run`` bytes were written at each of ``starts`` (ascending) of ``path``.
+
+    ``crc`` is the CRC-32C of the bytes from the first start to the last run's end, with zeros
+    between the runs (what :func:`summary` folds, as for any range).
+    """
+    table = _recording.get()
+    if table is None or not starts or run <= 0:
+        return
+    first = second = 0
+    for start in starts:
+        s1, s2 = _position_sums(start, start + run)
+        first, second = (first + s1) % _PRIME, (second + s2) % _PRIME
+    span = starts[-1] + run - starts[0]
+    record = (starts[0], span, crc, run * len(starts), first, second)
+    table.setdefault(str(Path(path).absolute()), []).append(record)
+
+
 def segments(writes: Sequence[Write]) -> Segments:
     """One rank's writes as sorted ``[start, end, crc]`` segments, adjacent ones combined.
 
     Writes of this rank that overlap (a single writer rewriting the header it created) merge
     into one segment with no CRC (None): such a file's checksum comes from its writer's stream.
+    A box written in runs stays a segment of its own, ``[start, end, crc, written, sum p, sum
+    p^2]``; nothing of this rank may overlap it.
     """
     merged: Segments = []
-    for offset, length, crc in sorted(writes, key=lambda w: (w[0], w[1])):
+    for write in sorted(writes, key=lambda w: (w[0], w[1])):
+        offset, length, crc = write[:3]
         end = offset + length
         last = merged[-1] if merged else None
+        if len(write) > 3 or (last is not None and len(last) > 3):
+            if last is not None and offset < last[1]:
+                raise ValueError(
+                    f"a write at bytes [{offset}, {end}) overlaps a box this rank wrote in runs "
+                    f"ending at {last[1]}"
+                )
+            merged.append([offset, end, *write[2:]])
+            continue
         if last is not None and offset < last[1]:
             merged[-1] = [last[0], max(last[1], end), None]
         elif last is not None and offset == last[1] and last[2] is not None and crc is not None:
@@ -107,16 +139,20 @@ def summary(size: int, segments: Segments) -> list[Any]:
     itself, see :func:`segments`).
     """
     written = first = second = 0
-    for start, end in intervals(segments):
-        s1, s2 = _position_sums(start, end)
+    for segment in segments:
+        start, end = segment[0], segment[1]
+        if len(segment) > 3:  # a box written in runs: its own numbers
+            count, s1, s2 = segment[3:]
+        else:
+            count, (s1, s2) = end - start, _position_sums(start, end)
         written, first, second = (
-            written + end - start,
+            written + count,
             (first + s1) % _PRIME,
             (second + s2) % _PRIME,
         )
     crc: int | None = 0
     position = 0
-    for start, end, part in segments:
+    for start, end, part, *_ in segments:
         if part is None or crc is None or start < position:
             crc = None
             break

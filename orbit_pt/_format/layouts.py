@@ -189,7 +189,8 @@ def slabs(layout: Layout, itemsize: int) -> list[tuple[Box, ...]]:
 # dimensions. From a file on this machine's disk, runs of at least this many elements are read
 # straight into the rank's shard (one pread per run, through the page cache the node's tensor
 # parallel ranks share); shorter runs, and ranged requests to object storage, cost less as
-# whole rows read once by their owner and moved between ranks (:func:`from_rows`).
+# whole rows read once by their owner and moved between ranks (:func:`from_rows`). A save into
+# files all ranks share writes such boxes run by run the same way (no moves, :func:`in_long_runs`).
 MIN_DIRECT_RUN = 1024
 
 
@@ -219,15 +220,21 @@ def runs(box: Box, full: Sequence[int]) -> tuple[list[int], int]:
     return offsets, run
 
 
-def reads_direct(layout: Layout, *, remote: bool) -> bool:
-    """Whether every member of the replica group reads its box of a file straight into its
-    shard (no moves), rather than :func:`from_rows` (collective: the same answer on every
-    member, since it depends only on the group's boxes and the kind of storage)."""
-    if remote or not layout.shape:
+def in_long_runs(layout: Layout) -> bool:
+    """Whether every member's box lies in the file as runs of at least :data:`MIN_DIRECT_RUN`
+    elements (the same answer on every member: it depends only on the group's boxes)."""
+    if not layout.shape:
         return False
     return all(
         run_length(box, layout.shape) >= MIN_DIRECT_RUN for box in layout.boxes if box.numel()
     )
+
+
+def reads_direct(layout: Layout, *, remote: bool) -> bool:
+    """Whether every member of the replica group reads its box of a file straight into its
+    shard (no moves), rather than :func:`from_rows` (collective: the same answer on every
+    member, since it depends only on the group's boxes and the kind of storage)."""
+    return not remote and in_long_runs(layout)
 
 
 def to_rows(layout: Layout, local: torch.Tensor) -> tuple[Box, torch.Tensor]:

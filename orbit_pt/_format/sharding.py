@@ -67,6 +67,10 @@ class Piece:
             as a call returning ``(first row, rows)``; None when ``data`` is final.
         private: ``data`` is memory of the save's own (moved rows), not the model's: an async
             save need not copy it again when it is already in host memory.
+        box: with a ``pending`` move, this rank's box of the tensor, which ``data`` holds, when
+            the box lies in the file as long runs (:func:`._layouts.in_long_runs`): a save into
+            files every rank shares writes it run by run instead of moving it (see
+            :func:`settle_union`). After settling, set only when ``data`` is such a box.
     """
 
     shape: tuple[int, ...]
@@ -76,6 +80,7 @@ class Piece:
     holder: tuple[int, ...] | None = None
     pending: Callable[[], tuple[int, torch.Tensor]] | None = None
     private: bool = False
+    box: _layouts.Box | None = None
 
 
 def is_dtensor(tensor: Any) -> bool:
@@ -138,6 +143,8 @@ def piece_of(name: str, tensor: torch.Tensor, *, rank: int) -> Piece:
         rows_box, rows = _layouts.to_rows(layout, local)
         return rows_box.offset[0], rows
 
+    if _layouts.in_long_runs(layout):
+        return Piece(shape, dtype, local, 0, holder, move, box=box)
     return Piece(shape, dtype, None, 0, holder, move)
 
 
@@ -148,11 +155,17 @@ def settle(
     world_size: int,
     collective: Collective | None,
     what: str,
+    in_place: bool = False,
 ) -> dict[str, Piece]:
     """:func:`settle_union` without a value to gather: the agreed pieces only."""
-    return settle_union(pieces, rank=rank, world_size=world_size, collective=collective, what=what)[
-        0
-    ]
+    return settle_union(
+        pieces,
+        rank=rank,
+        world_size=world_size,
+        collective=collective,
+        what=what,
+        in_place=in_place,
+    )[0]
 
 
 def settle_union(
@@ -163,6 +176,7 @@ def settle_union(
     collective: Collective | None,
     what: str,
     extra: Any = None,
+    in_place: bool = False,
 ) -> tuple[dict[str, Piece], list[Any] | None]:
     """Every rank's pieces of one item, agreed: the union of the tensors, each written once.
 
@@ -171,7 +185,10 @@ def settle_union(
     ranks' names, dtypes, shapes and meshes are gathered; the result lists every tensor of any
     rank, in order of the first rank holding it, and a tensor is written by the lowest rank
     holding it (a DTensor: by that rank's mesh). The same name with another dtype or shape on
-    two ranks is an error. Then the pending moves to rows run, in that order, on every rank.
+    two ranks is an error. Then the pending moves to rows run, in that order, on every rank --
+    except, with ``in_place`` (every rank writes into the same files, on a filesystem they
+    share), for boxes that lie in the file as long runs: those are written run by run, as they
+    are, which costs no moves and no memory. ``in_place`` must be the same on every rank.
 
     Call it on every rank, for the same item; it must not run inside a thread pool.
 
@@ -180,7 +197,7 @@ def settle_union(
     they hold the same, or on one process.
     """
     if world_size == 1 or collective is None or not collective.enabled:
-        return _resolved(pieces), None
+        return _resolved(pieces, in_place), None
     mine = [[n, torch_dtype_name(p.dtype), list(p.shape), p.holder] for n, p in pieces.items()]
     # ``extra`` counts too: stages may hold the same tensors yet differ in what rides along
     # (an optimizer before its first step holds no tensors, but its stages' parameters differ).
@@ -196,7 +213,7 @@ def settle_union(
             n: p if p.holder is not None or rank == 0 else replace(p, data=None)
             for n, p in pieces.items()
         }
-        return _resolved(same), None
+        return _resolved(same, in_place), None
     _, held = collective.agree(
         "orbit_pt.handler.union",
         lambda: None,
@@ -241,19 +258,23 @@ def settle_union(
             settled[name] = Piece(piece.shape, piece.dtype, None)
         else:
             settled[name] = Piece(tuple(shape), torch_dtype(dtype), None)
-    return _resolved(settled), extras
+    return _resolved(settled, in_place), extras
 
 
-def _resolved(pieces: Mapping[str, Piece]) -> dict[str, Piece]:
-    """``pieces`` with every pending move to rows run, in order."""
+def _resolved(pieces: Mapping[str, Piece], in_place: bool) -> dict[str, Piece]:
+    """``pieces`` with every pending move to rows run, in order (boxes in long runs are kept
+    as they are ``in_place``)."""
     out: dict[str, Piece] = {}
     for name, piece in pieces.items():
         if piece.pending is None:
-            out[name] = piece
+            out[name] = replace(piece, box=None) if piece.box is not None else piece
+            continue
+        if in_place and piece.box is not None:
+            out[name] = replace(piece, pending=None)
             continue
         first, rows = piece.pending()
         data = rows if rows.numel() else None
-        out[name] = replace(piece, data=data, row=first, pending=None, private=True)
+        out[name] = replace(piece, data=data, row=first, pending=None, private=True, box=None)
     return out
 
 
@@ -323,7 +344,7 @@ def write_files(
         planned = [(entry, pieces[entry.name]) for entry in f.tensors]
         mine = sorted(
             ((e, p) for e, p in planned if p.data is not None and p.data.numel()),
-            key=lambda ep: ep[0].start + ep[1].row * _row_bytes(ep[0]),
+            key=lambda ep: _first_byte(*ep),
         )
         if not mine:
             continue
@@ -349,12 +370,50 @@ def write_files(
                 # ranges into the file's checksum, so nobody reads the file back.
                 for entry, piece in mine:
                     data = tensor_bytes(_piece_bytes(entry, piece))
+                    if piece.box is not None:
+                        _write_runs(writer, entry, piece.box, data)
+                        continue
                     offset = entry.start + piece.row * _row_bytes(entry)
                     crc = _checksum.RangeChecksum()
                     writer.write(offset, [data], crc)
                     _coverage.record(path, offset, len(data), crc.crc)
         finally:
             writer.close()
+
+
+def _first_byte(entry: TensorEntry, piece: Piece) -> int:
+    """Where in its file the first byte this rank writes of ``entry`` goes."""
+    if piece.box is not None:
+        starts, _ = _layouts.runs(piece.box, entry.shape)
+        return entry.start + starts[0] * entry.dtype.itemsize
+    return entry.start + piece.row * _row_bytes(entry)
+
+
+def _write_runs(
+    writer: RangeWriter, entry: TensorEntry, box: _layouts.Box, data: memoryview
+) -> None:
+    """Write this rank's ``box`` of ``entry`` (``data``: its bytes, row-major) run by run.
+
+    Its CRC covers the box's whole span with zeros between the runs, which is what the ranks'
+    coverage summaries fold (the other ranks' runs fill the gaps).
+    """
+    itemsize = entry.dtype.itemsize
+    offsets, run = _layouts.runs(box, entry.shape)
+    run_bytes = run * itemsize
+    starts = [entry.start + o * itemsize for o in offsets]
+    if len(data) != run_bytes * len(starts):
+        raise CheckpointValueError(
+            f"tensor {entry.name!r}: {len(data)} bytes do not fill the box {box.shape} at "
+            f"{box.offset} of {entry.shape}; it changed while being saved"
+        )
+    view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+    crc = _checksum.RangeChecksum()
+    for k, start in enumerate(starts):
+        if k:
+            crc.skip(start - starts[k - 1] - run_bytes)
+        crc.update(view[k * run_bytes : (k + 1) * run_bytes])
+    writer.write_runs(starts, run_bytes, view)
+    _coverage.record_runs(writer.path, starts, run_bytes, crc.crc)
 
 
 def _create(path: Path, f: PlannedFile) -> None:
@@ -367,6 +426,8 @@ def _covers_file(f: PlannedFile, mine: Sequence[tuple[TensorEntry, Piece]]) -> b
     position = len(f.header)
     for entry, piece in mine:
         if piece.row != 0 or entry.start != position or piece.data is None:
+            return False
+        if piece.box is not None:
             return False
         if piece.data.numel() * entry.dtype.itemsize != entry.nbytes:
             return False

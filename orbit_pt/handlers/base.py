@@ -34,6 +34,10 @@ class HandlerContext:
             its rows) calls ``collective.run_everywhere(tag, fn)``, which is a barrier that
             also agrees on failures (``tag``: a constant string, the same on every rank).
             None on one process, and when a handler is called outside a manager.
+        shared_files: on save, every rank writes the step's files in place, in one folder on
+            a filesystem they all see (a local or shared-filesystem root); a tensor box that is
+            not whole rows may then be written run by run rather than moved to rows first.
+            False for object-store roots and outside a manager.
         exclude: on restore, the fields of this item that ``restore(..., exclude=("item.field",
             ...))`` leaves out: they keep their live values. Only a :class:`FieldsHandler` is
             given any, and only fields its :meth:`FieldsHandler.saved_fields` listed.
@@ -45,6 +49,7 @@ class HandlerContext:
     world_size: int = 1
     saved_world_size: int = 1
     collective: Collective | None = None
+    shared_files: bool = False
     exclude: frozenset[str] = frozenset()
 
 

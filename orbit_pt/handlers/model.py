@@ -424,6 +424,7 @@ class ModelHandler:
             collective=context.collective,
             what=f"the model of step {context.step}",
             extra=extra,
+            in_place=context.shared_files,
         )
 
     def _collect_adapters(self, model: Any, context: HandlerContext) -> _StagedModel:

@@ -212,6 +212,7 @@ class OptimizerHandler:
             collective=context.collective,
             what=f"the optimizer state of step {context.step}",
             extra=base64.b64encode(packed).decode(),
+            in_place=context.shared_files,
         )
         if stages:  # rank 0, and the ranks hold different parameters (pipeline stages)
             packed = merge_structures([base64.b64decode(text) for text in stages])
