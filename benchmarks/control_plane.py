@@ -330,7 +330,7 @@ def self_check(world: int = 8) -> None:
                     )
                 for p, r in table.items():
                     recorded[Path(p).relative_to(Path(tmp).absolute()).as_posix()] = (
-                        _coverage.intervals([(o, o + n) for o, n, _ in r])
+                        _coverage.intervals([(w[0], w[0] + w[1]) for w in r])
                     )
             assert recorded == ranges(rank, world, files), f"rank {rank}: ranges differ"
 

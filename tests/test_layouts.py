@@ -576,7 +576,7 @@ def _one_rank_fails_writing_its_runs(rank: int, world_size: int, root: str) -> N
             raise OSError("injected: no space left on device")
 
         if rank == 1:
-            RangeWriter.write_runs = broken  # type: ignore[method-assign]
+            RangeWriter.write_runs = broken  # type: ignore[method-assign,assignment]
         try:
             with pytest.raises(CheckpointSaveError, match=r"rank\(s\) \[1\].*injected"):
                 mgr.save(2, {"model": model}, force=True)
