@@ -523,8 +523,10 @@ def test_a_column_sharded_save_holds_a_shard_not_the_tensor(tmp_path: Path) -> N
         for mode in ("sync runs", "async runs", "sync moved", "async moved"):
             print(f"rank {rank} {mode}: peak growth {growth[mode] / 2**20:.1f} MiB")
             assert growth[mode] < 0.75 * whole, (rank, mode, growth[mode])
-        # Written in runs, a synchronous save holds no copy of the shard at all.
-        assert growth["sync runs"] < 0.1 * whole, (rank, growth["sync runs"])
+        # Written in runs, a save holds no copy of the shard, only a 4 MiB window of the file
+        # mapped at a time (an async save copies into staging buffers kept from save 1).
+        for mode in ("sync runs", "async runs"):
+            assert growth[mode] < 0.1 * whole, (rank, mode, growth[mode])
         for path in ("direct", "moved"):
             read = growth[f"read {path}"]
             print(f"rank {rank} restore ({path}): read {read / 2**20:.2f} MiB")

@@ -58,9 +58,9 @@ _DIRECT_MIN = 64 << 20
 # A power of two, so it divides _BUFFER_BYTES: every full bounce buffer stays aligned.
 _MAX_ALIGN = 1 << 20
 # Runs (RangeWriter.write_runs) shorter than this are copied into a mapping of the file, at most
-# this window of it at a time (its pages count as the process's resident memory while mapped).
+# this window of it at a time: its pages count as the process's resident memory while mapped.
 _MAPPED_RUN_MAX = 1 << 20
-_RUN_WINDOW = 16 << 20
+_RUN_WINDOW = 4 << 20
 # Faulting the window's pages in with one call is cheaper than a fault per page.
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
