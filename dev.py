@@ -2,7 +2,9 @@
 """Set-up and everyday commands for orbit_pt, on a fresh machine with only Python 3.10+.
 
     python3 dev.py demo     # the demo: a 2-rank FSDP fine-tune, preempted, resumed, compared
-    python3 dev.py test     # the test suite (extra arguments go to pytest)
+    python3 dev.py test     # the quick tests, minutes (extra arguments go to pytest)
+    python3 dev.py test --full   # the full tier: several processes, S3, sweeps (CI runs both)
+    python3 dev.py test --all    # both tiers in one run
     python3 dev.py lint     # ruff check, ruff format --check, mypy
     python3 dev.py docs     # the docs site (mkdocs build --strict) into ./site
 
@@ -56,7 +58,10 @@ def main() -> int:
         return run("examples/demo.py", *rest)
     if command == "test":
         ensure_venv()
-        return run("-m", "pytest", "-m", "not slow", *rest)
+        tiers = {"--full": "full and not slow", "--all": "not slow"}
+        chosen = [arg for arg in rest if arg in tiers]
+        marks = tiers[chosen[-1]] if chosen else "not slow and not full"
+        return run("-m", "pytest", "-m", marks, *(arg for arg in rest if arg not in tiers))
     if command == "lint":
         ensure_venv()
         return max(

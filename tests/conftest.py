@@ -1,7 +1,8 @@
-"""Shared test configuration.
+"""Shared test configuration: the test tiers, Hypothesis profiles, a clean environment.
 
-Hypothesis runs few examples by default so that CI stays fast; ``--hypothesis-profile=slow``
-(used with ``-m slow``) runs many more.
+``python3 dev.py test`` runs the quick tier; ``--full`` the full tier (tests marked ``full``
+here: several processes, the loopback S3 server, sweeps), which CI runs too. Hypothesis runs
+few examples by default; ``HYPOTHESIS_PROFILE=slow`` (with ``-m slow``) runs many more.
 """
 
 from __future__ import annotations
@@ -42,3 +43,27 @@ def _environment_restored() -> Iterator[None]:
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+# Modules whose tests are in the full tier whatever their markers: each test spawns processes,
+# kills them or sweeps many cases (measured with --durations; README, "Tests").
+FULL_MODULES: frozenset[str] = frozenset(
+    {
+        # filled from the measured durations
+    }
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the full tier: real process groups, the S3 server, the modules above."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        on_s3 = callspec is not None and callspec.params.get("where") == "s3"
+        if (
+            item.get_closest_marker("distributed") is not None
+            or "moto_s3" in getattr(item, "fixturenames", ())
+            or on_s3
+            or item.path.name in FULL_MODULES
+        ):
+            item.add_marker(pytest.mark.full)

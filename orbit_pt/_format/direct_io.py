@@ -4,11 +4,12 @@ For large ranges the page cache costs more than it saves when every byte must re
 anyway: on one project machine O_DIRECT writes + fsync ran at 2.2-2.5 GB/s against 0.5-1.0 GB/s
 buffered, on another (a slower disk) 0.47 against 0.37 GB/s for one 512 MiB range. Ranges under
 ``_DIRECT_MIN`` are written buffered: there the per-range set-up costs more than it saves.
-O_DIRECT needs the file offset, the length and the memory address aligned to the device's block size, which tensor memory is not; so bytes
-are packed into a few page-aligned bounce buffers (a memcpy at ~10 GB/s) that writer threads
-hand to the disk while the next buffer fills. The unaligned first and last bytes of a range go
-through ordinary ``pwrite``: they may share a block with a neighbour's range (another tensor,
-another rank) and the page cache merges those correctly.
+O_DIRECT needs the file offset, the length and the memory address aligned to the device's
+block size, which tensor memory is not; so bytes are packed into a few page-aligned bounce
+buffers (a memcpy at ~10 GB/s) that writer threads hand to the disk while the next fills. The
+unaligned first and last bytes of a range go through ordinary ``pwrite``: they may share a
+block with a neighbour's range (another tensor, another rank) and the page cache merges those
+correctly.
 
 Where O_DIRECT is not supported (tmpfs, some network filesystems) everything is written with
 ``pwrite``, which is correct, only slower. Some filesystems accept the O_DIRECT open and then

@@ -179,11 +179,12 @@ def parse_json(data: bytes | str, *, max_depth: int = MAX_JSON_DEPTH, finite: bo
 
     Raises:
         ValueError: not JSON, or nested deeper than ``max_depth`` (also when it is so deep
-            that the parser itself gives up), or a number ``finite`` refuses.
+            that the parser itself gives up), or a number ``finite`` refuses, or an object
+            that holds one key twice (JSON readers disagree about which one counts).
     """
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"object_pairs_hook": _unique_keys}
     if finite:
-        options = {"parse_constant": _no_constant, "parse_float": _finite_float}
+        options.update(parse_constant=_no_constant, parse_float=_finite_float)
     try:
         document = json.loads(data, **options)
     except RecursionError:
@@ -191,6 +192,15 @@ def parse_json(data: bytes | str, *, max_depth: int = MAX_JSON_DEPTH, finite: bo
     depth = json_depth(document, limit=max_depth)
     if depth > max_depth:
         raise ValueError(f"nested deeper than the {max_depth} levels allowed")
+    return document
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise ValueError(f"it holds the key {key!r:.80} more than once")
+        document[key] = value
     return document
 
 

@@ -114,8 +114,15 @@ def _raise(error: OSError) -> None:
 
 
 def remove_tree(path: Path) -> None:
-    """Remove a folder and everything in it; a missing folder is not an error."""
+    """Remove a folder and everything in it; a missing folder is not an error.
+
+    A symbolic link (or a file) in its place is removed itself, never followed: a leftover
+    ``.orbit-tmp`` link in a shared root must not cost the folder it points to.
+    """
     with contextlib.suppress(FileNotFoundError):
+        if path.is_symlink() or not path.is_dir():
+            path.unlink()
+            return
         shutil.rmtree(path)
 
 

@@ -1031,6 +1031,7 @@ def _classify(exc: BaseException) -> tuple[int | None, str, bool]:
         IncompleteReadError,
         ResponseStreamingError,
     )
+    from botocore.exceptions import ConnectionError as BotocoreConnectionError
     from botocore.parsers import ResponseParserError
 
     if isinstance(exc, ClientError):
@@ -1047,6 +1048,7 @@ def _classify(exc: BaseException) -> tuple[int | None, str, bool]:
     reason = f"{type(exc).__name__}: {exc}"
     transient: tuple[type[BaseException], ...] = (
         HTTPClientError,  # connection refused, closed or reset; read and connect timeouts
+        BotocoreConnectionError,  # EndpointConnectionError: not the builtin ConnectionError
         ResponseStreamingError,
         IncompleteReadError,
         ResponseParserError,  # a throttling proxy's garbled answer

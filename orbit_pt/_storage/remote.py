@@ -25,8 +25,11 @@ no marker, and incomplete multipart uploads.
 One writer per root: the writer holds a lease object, created with a conditional put
 (``If-None-Match: *``) and renewed by a background thread every third of its duration. A writer
 that died stops renewing; once its lease has expired (``lease_seconds``, default 120 s) the next
-writer takes it over. ``takeover=True`` takes a live lease at once (the other writer's next
-renewal then fails and it stops committing).
+writer takes it over: at once when the holder ran on this host and its process is gone (a
+requeued job), or when the lease object is not a writer's (unreadable); otherwise after waiting
+for it to expire, up to ``lease_wait`` seconds (default: ``lease_seconds``), failing as soon as
+the holder renews it (it is alive). ``takeover=True`` takes a live lease at once (the other
+writer's next renewal then fails and it stops committing).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -81,12 +85,15 @@ class RemoteRoot:
         *,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         takeover: bool = False,
+        lease_wait: float | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.store = store
         self.prefix = prefix.strip("/")
         self.lease_seconds = float(lease_seconds)
         self.takeover = takeover
+        # How long an opening writer waits for a live-looking lease to expire.
+        self.lease_wait = self.lease_seconds if lease_wait is None else float(lease_wait)
         self._owner = uuid.uuid4().hex
         self._lease_thread: threading.Thread | None = None
         self._lease_stop = threading.Event()
@@ -270,41 +277,78 @@ class RemoteRoot:
         from orbit_pt._storage.objects import PreconditionFailedError
 
         key = self.key(LEASE_OBJECT)
-        try:
-            self.store.put(key, self._lease_document(), if_absent=True)
-        except PreconditionFailedError:
-            holder = self._read_lease() or {}
-            expired = float(holder.get("expires", 0) or 0) < time.time()
-            if not (expired or self.takeover):
+        deadline = time.monotonic() + self.lease_wait
+        waited_for: dict[str, Any] | None = None  # the live holder's lease, as first read
+        while True:
+            try:
+                self.store.put(key, self._lease_document(), if_absent=True)
+                break
+            except PreconditionFailedError:
+                pass
+            holder = self._read_lease()
+            if holder is None:
+                continue  # released between the put and the read: try again
+            why = None if self.takeover else _taken_over_because(holder)
+            if self.takeover or why is not None:
+                self._take_over(holder, why or "takeover=True")
+                break
+            if waited_for is not None and holder != waited_for:
+                raise CheckpointLockedError(
+                    f"another CheckpointManager is writing to {self.url}: its lease "
+                    f"{self.url}/{LEASE_OBJECT} (host {holder.get('host')!r}, pid "
+                    f"{holder.get('pid')}) was renewed while this writer waited, so it is alive. "
+                    f"{_LOCKED_FIX}"
+                )
+            expires = float(holder["expires"])
+            left = deadline - time.monotonic()
+            if expires - time.time() > left:
                 raise CheckpointLockedError(
                     f"another CheckpointManager is writing to {self.url}: it holds the lease "
                     f"{self.url}/{LEASE_OBJECT} (host {holder.get('host')!r}, pid "
-                    f"{holder.get('pid')}), renewed until "
-                    f"{_when(float(holder.get('expires', 0)))}. Close it first; if it died, "
-                    "its lease expires then and the next writer takes over (or open with "
-                    "storage_options={'takeover': True} to take it now); or open this one with "
-                    "CheckpointManagerOptions(read_only=True) to only read"
-                ) from None
-            logger.warning(
-                "taking over the lease of %s from host %r pid %s (%s)",
-                self.url,
-                holder.get("host"),
-                holder.get("pid"),
-                "takeover=True" if not expired else "it expired: that writer stopped renewing",
-            )
-            self.store.delete([key])
-            try:
-                self.store.put(key, self._lease_document(), if_absent=True)
-            except PreconditionFailedError:
-                raise CheckpointLockedError(
-                    f"another writer took the lease of {self.url} at the same moment; close "
-                    "one of them"
-                ) from None
+                    f"{holder.get('pid')}), renewed until {_when(expires)}, later than this "
+                    f"writer waits (storage_options lease_wait={self.lease_wait:g} s). "
+                    f"{_LOCKED_FIX}"
+                )
+            if waited_for is None:
+                waited_for = holder
+                logger.warning(
+                    "%s: the lease is held by host %r pid %s until %s; waiting up to %.0f s for "
+                    "it to expire (a writer that died stops renewing it; a live one renews it "
+                    "within %.0f s, and then this open fails)",
+                    self.url,
+                    holder.get("host"),
+                    holder.get("pid"),
+                    _when(expires),
+                    max(0.0, expires - time.time()),
+                    self.lease_seconds / 3,
+                )
+            pause = min(max(0.05, expires - time.time() + 0.05), max(0.5, self.lease_seconds / 12))
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
         self._lease_stop.clear()
         self._lease_thread = threading.Thread(
             target=self._renew, name="orbit_pt-lease", daemon=True
         )
         self._lease_thread.start()
+
+    def _take_over(self, holder: dict[str, Any], why: str) -> None:
+        """Replace ``holder``'s lease with this writer's (a conditional put: never two)."""
+        from orbit_pt._storage.objects import PreconditionFailedError
+
+        logger.warning(
+            "taking over the lease of %s from host %r pid %s (%s)",
+            self.url,
+            holder.get("host"),
+            holder.get("pid"),
+            why,
+        )
+        key = self.key(LEASE_OBJECT)
+        self.store.delete([key])
+        try:
+            self.store.put(key, self._lease_document(), if_absent=True)
+        except PreconditionFailedError:
+            raise CheckpointLockedError(
+                f"another writer took the lease of {self.url} at the same moment; close one of them"
+            ) from None
 
     def check_lease(self) -> None:
         """Raise if this writer lost its lease (another writer took it over)."""
@@ -355,6 +399,7 @@ class RemoteRoot:
         ).encode()
 
     def _read_lease(self) -> dict[str, Any] | None:
+        """The lease's document (``{}`` when it is not JSON), or None when there is none."""
         try:
             document = json.loads(self.store.get(self.key(LEASE_OBJECT)))
         except FileNotFoundError:
@@ -362,6 +407,40 @@ class RemoteRoot:
         except ValueError:
             return {}
         return document if isinstance(document, dict) else {}
+
+
+_LOCKED_FIX = (
+    "Close it first; or open with storage_options={'takeover': True} to take the lease now; or "
+    "open this one with CheckpointManagerOptions(read_only=True) to only read"
+)
+
+
+def _taken_over_because(holder: Mapping[str, Any]) -> str | None:
+    """Why a lease may be taken over without waiting, or None while its holder may be alive.
+
+    A writer always writes a well-formed lease, so one that is not (planted, damaged) has no
+    live writer behind it. A holder on this host whose process is gone is dead (a requeued
+    job on the same node); a process with its pid alive may be it, so that lease is waited for.
+    """
+    expires = holder.get("expires")
+    if (
+        isinstance(expires, bool)
+        or not isinstance(expires, (int, float))
+        or not math.isfinite(expires)
+        or not isinstance(holder.get("owner"), str)
+    ):
+        return f"the lease object is not a writer's: {json.dumps(holder)[:200]}"
+    if expires < time.time():
+        return "it expired: that writer stopped renewing"
+    pid = holder.get("pid")
+    if holder.get("host") == socket.gethostname() and isinstance(pid, int) and pid > 0:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return f"it ran on this host, and process {pid} is gone"
+        except PermissionError:
+            pass  # someone else's process: alive
+    return None
 
 
 @dataclass(frozen=True)
@@ -412,8 +491,9 @@ def open_root(
 ) -> tuple[Path, RemoteRoot | None]:
     """The local folder a store works in, and the object-store root when ``root`` is a URL.
 
-    orbit_pt's own ``storage_options`` (``cache_dir``, ``lease_seconds``, ``takeover``,
-    ``retry``) are taken out; the others go to the object-store client as its keyword arguments.
+    orbit_pt's own ``storage_options`` (``cache_dir``, ``lease_seconds``, ``lease_wait``,
+    ``takeover``, ``retry``) are taken out; the others go to the object-store client as its
+    keyword arguments.
     """
     options = dict(storage_options or {})
     if not is_url(root):
@@ -428,6 +508,16 @@ def open_root(
     cache_dir = options.pop("cache_dir", None)
     lease_seconds = options.pop("lease_seconds", DEFAULT_LEASE_SECONDS)
     takeover = options.pop("takeover", False)
+    lease_wait = options.pop("lease_wait", None)
+    if lease_wait is not None and (
+        isinstance(lease_wait, bool)
+        or not isinstance(lease_wait, (int, float))
+        or not (0 <= lease_wait < math.inf)
+    ):
+        raise CheckpointValueError(
+            f"storage_options['lease_wait'] must be a number of seconds >= 0 (how long a writer "
+            f"waits for another writer's lease to expire), got {lease_wait!r}"
+        )
     if (
         isinstance(lease_seconds, bool)
         or not isinstance(lease_seconds, (int, float))
@@ -463,7 +553,9 @@ def open_root(
         mirror = Path.home() / ".cache" / "orbit_pt" / digest
     else:
         mirror = Path(cache_dir)
-    remote = RemoteRoot(url, store, prefix, lease_seconds=lease_seconds, takeover=takeover)
+    remote = RemoteRoot(
+        url, store, prefix, lease_seconds=lease_seconds, takeover=takeover, lease_wait=lease_wait
+    )
     return mirror, remote
 
 

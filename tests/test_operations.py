@@ -1,0 +1,250 @@
+"""Issue 35: what operators run into -- requeues, outages, leftovers in shared roots, ambiguous
+metadata. Each test failed before its fix (the lease cases are in test_object_root.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import socketserver
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from orbit_pt import CheckpointManager, CheckpointManagerOptions, CorruptCheckpointError
+from orbit_pt.errors import CheckpointError
+
+# ------------------------------------------------------------ a relay that goes down and back up
+
+
+class _Relay(socketserver.ThreadingTCPServer):
+    """A TCP relay to the loopback S3 server that can stop listening for a while (an endpoint
+    restarting: new connections are refused) and come back on the same port."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, upstream: tuple[str, int], port: int = 0) -> None:
+        self.upstream = upstream
+        self.live: list[socket.socket] = []
+        super().__init__(("127.0.0.1", port), _Pump)
+
+
+class _Pump(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        relay: _Relay = self.server  # type: ignore[assignment]
+        out = socket.create_connection(relay.upstream)
+        relay.live += [self.request, out]
+        pair = {self.request: out, out: self.request}
+        try:
+            while True:
+                ready, _, _ = select.select(list(pair), [], [], 30)
+                if not ready:
+                    return
+                for sock in ready:
+                    data = sock.recv(1 << 16)
+                    if not data:
+                        return
+                    pair[sock].sendall(data)
+        except OSError:
+            return
+        finally:
+            out.close()
+
+
+def _serve(relay: _Relay) -> None:
+    threading.Thread(target=relay.serve_forever, daemon=True).start()
+
+
+def _stop(relay: _Relay) -> None:
+    relay.shutdown()
+    relay.server_close()
+    for sock in relay.live:  # pooled connections die with the endpoint
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+
+
+def test_a_refused_connection_is_retried(moto_s3: Any, s3_root: Any, tmp_path: Path) -> None:
+    """Item 3: an endpoint that refuses connections for a moment (botocore's
+    EndpointConnectionError, which is not the builtin ConnectionError) failed the list at once;
+    it is retried like a reset."""
+    host, port = moto_s3.endpoint_url.removeprefix("http://").split(":")
+    relay = _Relay((host, int(port)))
+    _serve(relay)
+    relay_port = relay.server_address[1]
+    options = {
+        **s3_root.storage_options,
+        "endpoint_url": f"http://127.0.0.1:{relay_port}",
+        "retry": {"max_attempts": 12, "initial_backoff": 0.1, "max_backoff": 0.5},
+    }
+    with CheckpointManager(
+        s3_root.url, storage_options={**options, "cache_dir": str(tmp_path / "w")}
+    ) as mgr:
+        mgr.save(1, {"w": torch.arange(5.0)})
+    _stop(relay)  # the endpoint is down: connections are refused
+
+    def come_back() -> None:
+        time.sleep(0.6)
+        back = _Relay((host, int(port)), relay_port)
+        _serve(back)
+        holder.append(back)
+
+    holder: list[_Relay] = []
+    threading.Thread(target=come_back, daemon=True).start()
+    try:
+        reader_options = {**options, "cache_dir": str(tmp_path / "r")}
+        with CheckpointManager(
+            s3_root.url,
+            options=CheckpointManagerOptions(read_only=True),
+            storage_options=reader_options,
+        ) as reader:
+            assert reader.all_steps() == [1]
+            assert torch.equal(reader.restore(1, ["w"])["w"], torch.arange(5.0))
+    finally:
+        for back in holder:
+            _stop(back)
+
+
+# ---------------------------------------------------------------- an endpoint refusing the keys
+
+_DENIED = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidAccessKeyId</Code><Message>'
+    b"The AWS Access Key Id you provided does not exist in our records.</Message></Error>"
+)
+
+
+class _Denying(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _deny(self) -> None:
+        self.send_response(403)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(_DENIED)))
+        self.end_headers()
+        self.wfile.write(_DENIED)
+
+    do_GET = do_PUT = do_POST = do_DELETE = _deny  # noqa: N815 - http.server's names
+
+    def do_HEAD(self) -> None:
+        self.send_response(403)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+@pytest.fixture
+def denying_endpoint(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Denying)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_bad_credentials_fail_the_open_fast(
+    denying_endpoint: str, tmp_path: Path, read_only: bool
+) -> None:
+    """Item 1: a writer whose keys the endpoint refuses (403 InvalidAccessKeyId on every
+    request) must fail its open with a message about credentials, not hang in the lease's put.
+    (The reported hang did not reproduce here; this pins the behaviour, under a deadline.)"""
+    options = {
+        "endpoint_url": denying_endpoint,
+        "key": "bad",
+        "secret": "bad",
+        "client_kwargs": {"region_name": "us-east-1"},
+        "cache_dir": str(tmp_path / "mirror"),
+    }
+    outcome: dict[str, Any] = {}
+
+    def open_it() -> None:
+        try:
+            CheckpointManager(
+                "s3://bucket/run",
+                options=CheckpointManagerOptions(read_only=read_only),
+                storage_options=options,
+            ).close()
+            outcome["error"] = None
+        except Exception as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=open_it, daemon=True)
+    started = time.monotonic()
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the open hung on an endpoint that refuses the keys"
+    assert time.monotonic() - started < 30
+    error = outcome["error"]
+    assert isinstance(error, CheckpointError), error
+    assert "InvalidAccessKeyId" in str(error)
+    assert "credentials" in str(error)
+
+
+# ------------------------------------------------------------------- leftovers in a shared root
+
+
+def test_a_leftover_tmp_that_is_a_link_is_removed_not_followed(tmp_path: Path) -> None:
+    """Item 8: a ``step_N.orbit-tmp`` left as a symbolic link made ``save(N)`` fail until a
+    person removed it; the link is removed (never what it points to) and the save goes on."""
+    root = tmp_path / "root"
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep.txt").write_text("not orbit_pt's")
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": torch.zeros(2)})
+    (root / "step_00000002.orbit-tmp").symlink_to(precious, target_is_directory=True)
+    (root / "step_00000003.orbit-tmp").symlink_to(tmp_path / "nowhere")  # dangling
+    with CheckpointManager(root) as mgr:
+        mgr.save(2, {"w": torch.ones(2)})
+        mgr.save(3, {"w": torch.ones(3)})
+        assert mgr.all_steps() == [1, 2, 3]
+        assert torch.equal(mgr.restore(2, ["w"])["w"], torch.ones(2))
+    assert (precious / "keep.txt").read_text() == "not orbit_pt's"
+    assert not (root / "step_00000002.orbit-tmp").is_symlink()
+
+
+# -------------------------------------------------------------------- ambiguous metadata
+
+
+def _forge_duplicate(path: Path) -> None:
+    """Repeat the top-level step field. With the same value, a reader that keeps the first key
+    and one that keeps the last parse the same document, so the self-checksum still holds: a
+    reader that does not look for duplicates accepts the step."""
+    text = path.read_text()
+    forged = text.replace('\n "step": 1,', '\n "step": 1,\n "step": 1,', 1)
+    assert forged != text
+    path.write_text(forged)
+
+
+def test_duplicate_keys_in_the_metadata_are_refused(tmp_path: Path) -> None:
+    """Item 9: two JSON readers can disagree about a document with a key twice (first or last
+    wins); orbit_pt refuses such a step instead of picking one."""
+    root = tmp_path / "root"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": torch.zeros(2)})
+    metadata = root / "step_00000001" / "_CHECKPOINT_METADATA"
+    _forge_duplicate(metadata)
+    from orbit_pt.metadata import StepMetadata
+
+    with pytest.raises(CorruptCheckpointError, match="'step' more than once"):
+        StepMetadata.read(metadata)
+    with CheckpointManager(root, options=CheckpointManagerOptions(read_only=True)) as reader:
+        assert reader.all_steps() == []  # not a step anyone may load
+    assert metadata.exists()  # and nothing was deleted
