@@ -267,7 +267,7 @@ def _resolved(pieces: Mapping[str, Piece], in_place: bool) -> dict[str, Piece]:
     out: dict[str, Piece] = {}
     for name, piece in pieces.items():
         if piece.pending is None:
-            out[name] = replace(piece, box=None) if piece.box is not None else piece
+            out[name] = piece  # a box comes only with its pending move
             continue
         if in_place and piece.box is not None:
             out[name] = replace(piece, pending=None)
@@ -383,9 +383,10 @@ def write_files(
 
 def _first_byte(entry: TensorEntry, piece: Piece) -> int:
     """Where in its file the first byte this rank writes of ``entry`` goes."""
-    if piece.box is not None:
-        starts, _ = _layouts.runs(piece.box, entry.shape)
-        return entry.start + starts[0] * entry.dtype.itemsize
+    if piece.box is not None:  # the box's first element, row-major (no need for every run)
+        strides = [math.prod(entry.shape[d + 1 :]) for d in range(len(entry.shape))]
+        first = sum(o * st for o, st in zip(piece.box.offset, strides, strict=True))
+        return entry.start + first * entry.dtype.itemsize
     return entry.start + piece.row * _row_bytes(entry)
 
 
