@@ -120,10 +120,10 @@ def remove_tree(path: Path) -> None:
     ``.orbit-tmp`` link in a shared root must not cost the folder it points to.
     """
     with contextlib.suppress(FileNotFoundError):
-        if path.is_symlink() or not path.is_dir():
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path)
+        else:
             path.unlink()
-            return
-        shutil.rmtree(path)
 
 
 def has_size(path: Path, size: int) -> bool:
