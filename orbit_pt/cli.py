@@ -473,6 +473,7 @@ def _cmd_export(args: argparse.Namespace) -> tuple[int, Any, str]:
         "files": list(result.files),
         "adapter": result.adapter,
         "base": None if result.base is None else str(result.base),
+        "left_out": list(result.left_out),
     }
     merged = (
         f" (adapter {result.adapter!r} merged into the base {result.base})"
@@ -489,6 +490,7 @@ def _cmd_export(args: argparse.Namespace) -> tuple[int, Any, str]:
             "\nnote: the model item has no config.json, so from_pretrained cannot load it; "
             "save the model with ModelHandler(config=...) or copy its config.json in"
         )
+    text += "".join(f"\nnote: {line}" for line in result.left_out)
     return EXIT_OK, doc, text
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -57,6 +58,8 @@ from orbit_pt.handlers.model import CONFIG_FILE, INDEX_FILE, ModelHandler, open_
 from orbit_pt.metadata import StepMetadata
 from orbit_pt.verify import verify_step
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["EXPORT_DTYPES", "ExportResult", "export_model"]
 
 EXPORT_DTYPES: Mapping[str, torch.dtype] = {
@@ -85,6 +88,8 @@ class ExportResult:
             (for a merged adapter: kept in the dtype the base model loads in).
         adapter: the PEFT adapter merged into its base, or None when none was.
         base: the base model folder the adapter was merged into, or None.
+        left_out: what the step held that the export did not carry, each with why: code
+            files and ``config.json``'s ``auto_map`` (an export never carries code).
     """
 
     step: int
@@ -96,6 +101,7 @@ class ExportResult:
     dtype: str | None
     adapter: str | None = None
     base: Path | None = None
+    left_out: tuple[str, ...] = ()
 
 
 def _confined_to_root(fn: Callable[..., _T]) -> Callable[..., _T]:
@@ -206,8 +212,11 @@ def export_model(
         return _export_merged(source, step, name, out, dtype, base, adapter_name)
     readers = open_model_folder(source)
     tmp = _tmp_beside(out)
+    left_out: list[str] = []
     with _fs.staged_folder(tmp, out):
-        written, tensor_bytes = _write(source, tmp, readers, dtype)
+        written, tensor_bytes = _write(source, tmp, readers, dtype, left_out)
+    for line in left_out:
+        logger.warning("export of step %d: %s", step, line)
     return ExportResult(
         step=step,
         item=name,
@@ -216,6 +225,7 @@ def export_model(
         tensors=len(readers),
         tensor_bytes=tensor_bytes,
         dtype=None if dtype is None else torch_dtype_name(dtype),
+        left_out=tuple(left_out),
     )
 
 
@@ -270,7 +280,12 @@ def _companion_files(source: Path, base: Path) -> dict[str, Path]:
     files = {name: base / name for name in _peft.TOKENIZER_FILES if (base / name).is_file()}
     written = {_peft.ADAPTER_CONFIG, CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE}
     for path in sorted(source.iterdir()):
-        skip = path.name in written or path.suffix == ".safetensors" or path.name[0] == "."
+        skip = (
+            path.name in written
+            or path.suffix == ".safetensors"
+            or path.name[0] == "."
+            or _layout.is_code_file(path.name)
+        )
         if path.is_file() and not skip:
             files[path.name] = path
     return files
@@ -322,7 +337,15 @@ def _write(
     tmp: Path,
     readers: Mapping[str, SafetensorsReader],
     dtype: torch.dtype | None,
+    left_out: list[str],
 ) -> tuple[list[str], int]:
+    """Copy (or cast) ``source``'s files into ``tmp``; what is not carried goes in ``left_out``.
+
+    Never code: a ``modeling_*.py`` with an ``auto_map`` naming it is what
+    ``from_pretrained(trust_remote_code=True)`` imports, and a step in a shared root may hold
+    one that nobody trained with. The folder then loads through its ``model_type`` or the
+    caller's own model class.
+    """
     by_file: dict[Path, SafetensorsReader] = {r.path: r for r in readers.values()}
     weights = {path.name for path in by_file} | {INDEX_FILE}
     written: list[str] = []
@@ -350,11 +373,20 @@ def _write(
     for rel in _fs.iter_files(source):
         if rel.as_posix() in weights:
             continue
+        if _layout.is_code_file(rel.as_posix()):
+            left_out.append(f"{rel.as_posix()} left out: an export carries no code")
+            continue
         (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-        if rel.as_posix() == CONFIG_FILE and dtype is not None:
-            config = read_json_object(source / rel)
-            key = "torch_dtype" if "torch_dtype" in config else "dtype"
-            config[key] = torch_dtype_name(dtype)
+        config = read_json_object(source / rel) if rel.as_posix() == CONFIG_FILE else None
+        if config is not None and ("auto_map" in config or dtype is not None):
+            if config.pop("auto_map", None) is not None:
+                left_out.append(
+                    f"auto_map left out of {CONFIG_FILE}: it names code for "
+                    "trust_remote_code, which an export does not carry"
+                )
+            if dtype is not None:
+                key = "torch_dtype" if "torch_dtype" in config else "dtype"
+                config[key] = torch_dtype_name(dtype)
             (tmp / rel).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         else:
             shutil.copyfile(source / rel, tmp / rel)

@@ -13,7 +13,8 @@ What is checked, for one step folder (format in docs/format.md):
   folder (not a link), whose ``_CHECKPOINT_METADATA`` parses and names the step of the folder;
 - every file it lists exists, is a regular file inside the step folder (no link on its way),
   and has its recorded size;
-- no file is present that it does not list (a stray or half-copied file);
+- no file is present that it does not list (a stray or half-copied file), and no code file
+  (``*.py``, ``*.so``, ...) at all, listed or not;
 - every recorded checksum matches the file's bytes (the whole file is read);
 - safetensors headers are valid (offsets inside the file, sizes matching dtype and shape, the
   data section covered exactly), msgpack files parse, JSON files parse, and a model item's
@@ -51,7 +52,15 @@ from orbit_pt.metadata import ItemMetadata
 __all__ = ["Problem", "ProblemKind", "VerifyReport", "verify_step"]
 
 ProblemKind = Literal[
-    "metadata", "missing", "not-a-file", "size", "checksum", "unlisted", "unreadable", "no-checksum"
+    "metadata",
+    "missing",
+    "not-a-file",
+    "size",
+    "checksum",
+    "unlisted",
+    "unreadable",
+    "no-checksum",
+    "code",
 ]
 """What a :class:`Problem` is about:
 
@@ -64,7 +73,9 @@ ProblemKind = Literal[
 - ``unlisted``: a file in the step that the metadata does not list;
 - ``unreadable``: a file that cannot be read, or whose content is malformed (safetensors
   header, msgpack, JSON, model index);
-- ``no-checksum``: a file recorded without a checksum, with ``require_checksums=True``.
+- ``no-checksum``: a file recorded without a checksum, with ``require_checksums=True``;
+- ``code``: a Python file or native library (``modeling_*.py``, ``*.so``, ...), listed or not:
+  orbit_pt never writes one, and ``from_pretrained(trust_remote_code=True)`` would run it.
 """
 
 ProgressCallback = Callable[[int], None]
@@ -265,7 +276,16 @@ class _Verifier:
                 if check.sized:
                     handler = meta.items.get(check.rel.split("/", 1)[0])
                     self._check_content(check.rel, check.path, handler)
-            for rel in sorted(present - set(listed) - {_layout.METADATA_FILE}):
+            for rel in sorted(p for p in present if _layout.is_code_file(p)):
+                self.problem(
+                    rel,
+                    "code",
+                    "is code, which orbit_pt never writes into a step; from_pretrained("
+                    "trust_remote_code=True) would run it -- remove it, and check who can write "
+                    "this root",
+                )
+            strays = present - set(listed) - {_layout.METADATA_FILE}
+            for rel in sorted(p for p in strays if not _layout.is_code_file(p)):
                 self.problem(
                     rel,
                     "unlisted",

@@ -248,3 +248,103 @@ def test_duplicate_keys_in_the_metadata_are_refused(tmp_path: Path) -> None:
     with CheckpointManager(root, options=CheckpointManagerOptions(read_only=True)) as reader:
         assert reader.all_steps() == []  # not a step anyone may load
     assert metadata.exists()  # and nothing was deleted
+
+
+# ---------------------------------------------------------------- item 7: code in a model folder
+
+EVIL = "import pathlib\npathlib.Path(__file__).with_name('RAN').write_text('ran')\n"
+
+
+def _plant_code(step_dir: Path) -> None:
+    """What someone who can write a shared root does: a modeling file, an ``auto_map`` naming
+    it, and both listed in the metadata with a recomputed self-checksum, so that every size and
+    checksum agrees (a consistent forgery, by docs/format.md)."""
+    import json
+
+    import xxhash
+
+    def digest(data: bytes) -> str:
+        return "xxh3-64:" + xxhash.xxh3_64(data).hexdigest()
+
+    config_path = step_dir / "model" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    planted = {
+        "model/modeling_evil.py": EVIL.encode(),
+        "model/config.json": json.dumps(config, indent=2).encode(),
+    }
+    meta_path = step_dir / "_CHECKPOINT_METADATA"
+    doc = json.loads(meta_path.read_bytes())
+    doc.pop("checksum")
+    for rel, data in planted.items():
+        (step_dir / rel).write_bytes(data)
+        doc["files"][rel] = {"size": len(data), "checksum": digest(data)}
+    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    doc["checksum"] = digest(canonical.encode())
+    meta_path.write_text(json.dumps(doc, indent=1, sort_keys=True))
+
+
+def _tiny_llama() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config)
+
+
+def test_code_planted_in_a_model_folder_is_refused_and_never_exported(tmp_path: Path) -> None:
+    """Item 7: verify reports the planted modeling file (kind ``code``) even though the forged
+    metadata lists it; export refuses by default and, unverified, leaves the code and
+    ``auto_map`` out, so ``from_pretrained(trust_remote_code=True)`` of the export runs
+    nothing and loads the real weights."""
+    from transformers import AutoModelForCausalLM
+
+    from orbit_pt.handlers import ModelHandler
+    from orbit_pt.cli import main as cli_main
+    from orbit_pt.export import export_model
+    from orbit_pt.verify import verify_step
+
+    root = tmp_path / "root"
+    model = _tiny_llama()
+    with CheckpointManager(root, handlers={"model": ModelHandler()}) as mgr:
+        mgr.save(1, {"model": model})
+    step_dir = root / "step_00000001"
+    assert verify_step(root, 1).ok
+    _plant_code(step_dir)
+
+    report = verify_step(root, 1)
+    assert [(p.path, p.kind) for p in report.problems] == [("model/modeling_evil.py", "code")]
+    assert "trust_remote_code" in report.problems[0].detail
+    assert cli_main(["verify", str(root), "1"]) != 0
+
+    with pytest.raises(CorruptCheckpointError, match="modeling_evil.py: is code"):
+        export_model(root, 1, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+
+    result = export_model(root, 1, tmp_path / "out", verify=False)
+    assert "modeling_evil.py" not in result.files
+    assert not (tmp_path / "out" / "modeling_evil.py").exists()
+    assert any("auto_map" in line for line in result.left_out)
+    assert any("modeling_evil.py" in line for line in result.left_out)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert not list(tmp_path.rglob("RAN"))  # the planted code never ran
+
+
+def test_a_model_handler_refuses_code_as_an_extra_file() -> None:
+    """The writer side of item 7: steps hold no code, so nothing orbit_pt writes is flagged."""
+    from orbit_pt.handlers import ModelHandler
+    from orbit_pt.errors import CheckpointValueError
+
+    for name in ("modeling_mine.py", "kernel.so", "helper.pyc"):
+        with pytest.raises(CheckpointValueError, match="is code"):
+            ModelHandler(extra_files={name: "x = 1\n"})
+    ModelHandler(extra_files={"tokenizer.json": "{}"})  # plain files are fine

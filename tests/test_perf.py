@@ -59,14 +59,28 @@ def test_sync_save_is_not_slower_than_safetensors(tmp_path: Path, state: tuple) 
         safetensors.torch.save_file(tensors, str(peer_file))
         bench.fsync_tree(peer_file)
 
+    def timed(fn: Callable[[], object]) -> float:
+        started = time.perf_counter()
+        fn()
+        return time.perf_counter() - started
+
+    # Paired and interleaved: a burst of load from a neighbour slows one pair, not one side.
+    ratios, ours_times, theirs_times = [], [], []
     with CheckpointManager(tmp_path / "ckpt", options=options) as mgr:
-        ours = _median(lambda: mgr.save(next(steps), items, force=True))
-    theirs = _median(peer, before=lambda: peer_file.unlink(missing_ok=True))
+        for _ in range(5):
+            ours_times.append(timed(lambda: mgr.save(next(steps), items, force=True)))
+            peer_file.unlink(missing_ok=True)
+            theirs_times.append(timed(peer))
+            ratios.append(ours_times[-1] / theirs_times[-1])
+    ours, theirs = statistics.median(ours_times), statistics.median(theirs_times)
     # At 1 GB orbit_pt saves as fast as safetensors (both at the disk's limit, docs/
     # performance.md); at 0.1 GB with keep_last_n=1 it measured 1.07-1.15x on a quiet machine
     # (1.46-1.55x when the deletion ran on the save's path). A regression to buffered writes,
     # or to writing or hashing the state twice, makes it 2x or more.
-    assert ours <= 2.0 * theirs, f"orbit_pt save {ours:.3f}s vs safetensors {theirs:.3f}s"
+    assert statistics.median(ratios) <= 2.0, (
+        f"orbit_pt save {ours:.3f}s vs safetensors {theirs:.3f}s (medians; pair ratios "
+        f"{[round(r, 2) for r in ratios]})"
+    )
 
 
 def test_async_save_blocks_for_little_more_than_a_copy(tmp_path: Path, state: tuple) -> None:

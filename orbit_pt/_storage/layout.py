@@ -104,3 +104,15 @@ def check_relative_path(path: str) -> str:
     if not path or path.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\0" in path:
         raise CheckpointValueError(f"{path!r} is not a relative path inside a step folder")
     return path
+
+
+# Files a Python process would import or load as code. orbit_pt never writes one into a step, and
+# transformers' ``from_pretrained(trust_remote_code=True)`` runs the ``modeling_*.py`` a model
+# folder's ``auto_map`` names: one found in a step was put there by someone else.
+CODE_SUFFIXES = frozenset({".py", ".pyc", ".pyo", ".pyw", ".pyd", ".so", ".dylib", ".dll"})
+
+
+def is_code_file(path: str) -> bool:
+    """Whether the ``/``-separated ``path`` inside a step names code (see CODE_SUFFIXES)."""
+    name = path.rsplit("/", 1)[-1].lower()
+    return "__pycache__" in path.split("/") or any(name.endswith(s) for s in CODE_SUFFIXES)

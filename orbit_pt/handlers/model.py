@@ -65,6 +65,7 @@ from orbit_pt._format.sharding import (
     write_files,
 )
 from orbit_pt._format.staging import StagingPool
+from orbit_pt._storage.layout import is_code_file
 from orbit_pt.errors import CheckpointTypeError, CheckpointValueError, CorruptCheckpointError
 from orbit_pt.handlers import _peft
 from orbit_pt.handlers._hf_config import CONFIG_FILE as CONFIG_FILE
@@ -961,6 +962,13 @@ def _check_extra_name(filename: object) -> None:
         raise CheckpointValueError(
             f"extra_files key {filename!r} must be a plain file name (no folders, no leading "
             "'.') that is not one of the model's own safetensors or index files"
+        )
+    if is_code_file(filename):
+        raise CheckpointValueError(
+            f"extra_files key {filename!r} is code: steps hold no code, since "
+            "from_pretrained(trust_remote_code=True) runs the modeling files a folder carries "
+            "and anyone who can write the root could swap them; ship the model's code as a "
+            "package (or copy it next to an exported folder yourself)"
         )
 
 
