@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from orbit_pt import CheckpointManager, CheckpointManagerOptions, CorruptCheckpointError
-from orbit_pt.errors import CheckpointError
+from orbit_pt.errors import CheckpointError, StepNotFoundError
 
 # ------------------------------------------------------------ a relay that goes down and back up
 
@@ -348,3 +348,117 @@ def test_a_model_handler_refuses_code_as_an_extra_file() -> None:
         with pytest.raises(CheckpointValueError, match="is code"):
             ModelHandler(extra_files={name: "x = 1\n"})
     ModelHandler(extra_files={"tokenizer.json": "{}"})  # plain files are fine
+
+
+# ------------------------------------------------------- item 5: a step vanishes under a reader
+
+
+def test_a_step_renamed_away_while_a_reader_reads_it_is_simply_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 5, at the exact instant: the reader has listed the root, and before it reads step
+    2's metadata the writer's retention renames the step away (the real rename it makes).
+    The reader used to raise "reading step_00000002 failed ... cannot be listed without it"."""
+    from orbit_pt._format import safe_open
+    from orbit_pt._storage import root as root_module
+
+    root = tmp_path / "root"
+    with CheckpointManager(root) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.full((3,), float(step))})
+    real_read = safe_open.read_bytes
+    renamed: list[Path] = []
+
+    def retention_strikes(path: Path, **kwargs: Any) -> bytes:
+        if path.parent.name == "step_00000002" and not renamed:
+            gone = path.parent.with_name("step_00000002.orbit-deleting")
+            path.parent.rename(gone)
+            renamed.append(gone)
+        return real_read(path, **kwargs)
+
+    monkeypatch.setattr(root_module._safe_open, "read_bytes", retention_strikes)
+    with CheckpointManager(root, options=CheckpointManagerOptions(read_only=True)) as reader:
+        assert renamed  # the race happened, in the scan that opened the reader
+        assert reader.all_steps() == [1, 3]
+        assert reader.latest_step() == 3
+        out = {"w": torch.zeros(3)}
+        reader.restore(3, out)
+        assert torch.equal(out["w"], torch.full((3,), 3.0))
+
+
+def test_a_reader_polling_beside_a_writer_with_retention_never_fails(tmp_path: Path) -> None:
+    """Item 5 as it was seen: a dashboard polls a live root while the writer keeps the last
+    two steps. Every answer is a set of committed steps; nothing raises."""
+    root = tmp_path / "root"
+    with CheckpointManager(root) as mgr:
+        mgr.save(0, {"w": torch.zeros(1024)})
+    errors: list[BaseException] = []
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def poll() -> None:
+        with CheckpointManager(root, options=CheckpointManagerOptions(read_only=True)) as r:
+            while not done.is_set():
+                try:
+                    steps = r.all_steps()
+                    seen.update(steps)
+                    if steps:
+                        with contextlib.suppress(StepNotFoundError):  # retired since
+                            r.metadata(steps[-1])
+                except BaseException as exc:  # noqa: BLE001 -- the assertion reports it
+                    errors.append(exc)
+                    return
+
+    reader = threading.Thread(target=poll, daemon=True)
+    reader.start()
+    options = CheckpointManagerOptions(keep_last_n=2, preemption_signals=())
+    with CheckpointManager(root, options=options) as mgr:
+        for step in range(1, 61):
+            mgr.save(step, {"w": torch.full((1024,), float(step))})
+    done.set()
+    reader.join(timeout=60)
+    assert not reader.is_alive(), "the reader hung"
+    assert errors == []
+    assert len(seen) > 2  # it really read while steps came and went
+
+
+def test_an_object_store_step_deleted_between_list_and_read_is_gone(
+    moto_s3: Any, s3_root: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 5 on S3: the marker is listed, then the writer's retention deletes the step's
+    objects (for real, on the loopback server) before the reader gets the marker."""
+    from orbit_pt._storage.remote import RemoteRoot
+
+    options = {**s3_root.storage_options, "cache_dir": str(tmp_path / "w")}
+    with CheckpointManager(s3_root.url, storage_options=options) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.full((3,), float(step))})
+        writer_remote = mgr._store.remote
+        assert writer_remote is not None
+    deleted: list[int] = []
+    real_committed = RemoteRoot.committed
+
+    def retention_strikes(self: Any, known: Any = None) -> Any:
+        real_get = self.store.get
+
+        def get(key: str) -> bytes:
+            if "step_00000002/" in key and not deleted:
+                self.remove_step_objects(2)
+                deleted.append(2)
+            return real_get(key)
+
+        monkeypatch.setattr(self.store, "get", get)
+        try:
+            return real_committed(self, known)
+        finally:
+            monkeypatch.setattr(self.store, "get", real_get)
+
+    monkeypatch.setattr(RemoteRoot, "committed", retention_strikes)
+    reader_options = {**s3_root.storage_options, "cache_dir": str(tmp_path / "r")}
+    with CheckpointManager(
+        s3_root.url,
+        options=CheckpointManagerOptions(read_only=True),
+        storage_options=reader_options,
+    ) as reader:
+        assert deleted == [2]
+        assert reader.all_steps() == [1, 3]

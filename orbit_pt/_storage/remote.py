@@ -119,6 +119,8 @@ class RemoteRoot:
 
         ``known`` markers whose identity (size and ETag) is unchanged are not read again.
         """
+        from orbit_pt._storage.objects import ObjectNotFoundError
+
         known = known or {}
         found: dict[int, tuple[str, StepMetadata]] = {}
         for info in self.store.list(self.prefix + "/" if self.prefix else ""):
@@ -135,6 +137,10 @@ class RemoteRoot:
                 continue
             try:
                 meta = StepMetadata.from_json(self.store.get(info.key), path=Path(info.key))
+            except ObjectNotFoundError:
+                # Listed, then deleted before it was read (a writer's retention beside a
+                # polling reader): the step is gone, which is what a later listing says.
+                continue
             except CorruptCheckpointError as exc:
                 logger.warning("ignoring %s/%s: %s", self.url, rel, exc)
                 continue

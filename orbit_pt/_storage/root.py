@@ -146,7 +146,9 @@ def scan_root(
             if superseded:
                 entries.extend(_scan_superseded(path))
             continue
-        entries.append(_examine(root, item.name, path, item, known or {}))
+        entry = _examine(root, item.name, path, item, known or {})
+        if entry is not None:
+            entries.append(entry)
     entries.sort(key=lambda e: (e.kind == "superseded", -1 if e.step is None else e.step, e.name))
     return entries
 
@@ -228,13 +230,25 @@ def _examine(
     path: Path,
     item: os.DirEntry[str] | None,
     known: Mapping[int, tuple[Identity, StepMetadata]],
-) -> RootEntry:
-    """:func:`_classify`, with its errors sorted: refused is unreadable, anything else raises."""
+    *,
+    again: bool = True,
+) -> RootEntry | None:
+    """:func:`_classify`, with its errors sorted: refused is unreadable, anything else raises.
+
+    None when the entry vanished after the listing named it: a writer's retention or rollback
+    renamed it away while this process (a reader polling a live root) looked at it. One that is
+    still there but changed under the read (its metadata replaced) is looked at once more.
+    """
     try:
         return _classify(name, path, item if item is not None else _Lstat(path), known)
     except PermissionError as exc:  # EACCES, EPERM: another user's folder
         return _unreadable(name, path, exc)
     except OSError as exc:
+        vanished = isinstance(exc, (FileNotFoundError, NotADirectoryError))
+        if vanished and not os.path.lexists(path):
+            return None
+        if vanished and again:
+            return _examine(root, name, path, None, {}, again=False)
         raise CheckpointError(
             f"reading {path} failed: {exc}; the committed steps of {root} cannot be listed "
             "without it (a failing disk or file system?). Try again, and check the disk if it "
