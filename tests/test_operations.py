@@ -4,9 +4,13 @@ metadata. Each test failed before its fix (the lease cases are in test_object_ro
 from __future__ import annotations
 
 import contextlib
+import os
 import select
+import signal
 import socket
 import socketserver
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -305,9 +309,9 @@ def test_code_planted_in_a_model_folder_is_refused_and_never_exported(tmp_path: 
     nothing and loads the real weights."""
     from transformers import AutoModelForCausalLM
 
-    from orbit_pt.handlers import ModelHandler
     from orbit_pt.cli import main as cli_main
     from orbit_pt.export import export_model
+    from orbit_pt.handlers import ModelHandler
     from orbit_pt.verify import verify_step
 
     root = tmp_path / "root"
@@ -323,7 +327,7 @@ def test_code_planted_in_a_model_folder_is_refused_and_never_exported(tmp_path: 
     assert "trust_remote_code" in report.problems[0].detail
     assert cli_main(["verify", str(root), "1"]) != 0
 
-    with pytest.raises(CorruptCheckpointError, match="modeling_evil.py: is code"):
+    with pytest.raises(CorruptCheckpointError, match=r"modeling_evil\.py: is code"):
         export_model(root, 1, tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
 
@@ -341,8 +345,8 @@ def test_code_planted_in_a_model_folder_is_refused_and_never_exported(tmp_path: 
 
 def test_a_model_handler_refuses_code_as_an_extra_file() -> None:
     """The writer side of item 7: steps hold no code, so nothing orbit_pt writes is flagged."""
-    from orbit_pt.handlers import ModelHandler
     from orbit_pt.errors import CheckpointValueError
+    from orbit_pt.handlers import ModelHandler
 
     for name in ("modeling_mine.py", "kernel.so", "helper.pyc"):
         with pytest.raises(CheckpointValueError, match="is code"):
@@ -360,7 +364,6 @@ def test_a_step_renamed_away_while_a_reader_reads_it_is_simply_gone(
     2's metadata the writer's retention renames the step away (the real rename it makes).
     The reader used to raise "reading step_00000002 failed ... cannot be listed without it"."""
     from orbit_pt._format import safe_open
-    from orbit_pt._storage import root as root_module
 
     root = tmp_path / "root"
     with CheckpointManager(root) as mgr:
@@ -376,7 +379,7 @@ def test_a_step_renamed_away_while_a_reader_reads_it_is_simply_gone(
             renamed.append(gone)
         return real_read(path, **kwargs)
 
-    monkeypatch.setattr(root_module._safe_open, "read_bytes", retention_strikes)
+    monkeypatch.setattr(safe_open, "read_bytes", retention_strikes)  # the module root.py reads with
     with CheckpointManager(root, options=CheckpointManagerOptions(read_only=True)) as reader:
         assert renamed  # the race happened, in the scan that opened the reader
         assert reader.all_steps() == [1, 3]
@@ -405,7 +408,7 @@ def test_a_reader_polling_beside_a_writer_with_retention_never_fails(tmp_path: P
                     if steps:
                         with contextlib.suppress(StepNotFoundError):  # retired since
                             r.metadata(steps[-1])
-                except BaseException as exc:  # noqa: BLE001 -- the assertion reports it
+                except BaseException as exc:  # the assertion reports it
                     errors.append(exc)
                     return
 
@@ -445,7 +448,8 @@ def test_an_object_store_step_deleted_between_list_and_read_is_gone(
             if "step_00000002/" in key and not deleted:
                 self.remove_step_objects(2)
                 deleted.append(2)
-            return real_get(key)
+            data: bytes = real_get(key)
+            return data
 
         monkeypatch.setattr(self.store, "get", get)
         try:
@@ -462,3 +466,86 @@ def test_an_object_store_step_deleted_between_list_and_read_is_gone(
     ) as reader:
         assert deleted == [2]
         assert reader.all_steps() == [1, 3]
+
+
+# ------------------------------------------- item 6: the scheduler's SIGTERM and the agent's copy
+
+TORCHRUN_WORKER = Path(__file__).with_name("_torchrun_preempt_worker.py")
+
+
+def _torchrun(root: Path, out: Path, step_seconds: float) -> subprocess.Popen[str]:
+    from _examples import example_env
+
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node=2", str(TORCHRUN_WORKER), str(root), str(out), str(step_seconds)]
+    return subprocess.Popen(
+        command,
+        env=example_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text() or None
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.distributed
+def test_sigterm_to_the_workers_and_to_torchrun_is_one_preemption(tmp_path: Path) -> None:
+    """Item 6, as SLURM and Kubernetes do it: SIGTERM reaches each worker directly, and then
+    again through torchrun's agent, which forwards it. The second used to restore the default
+    action and kill the workers before their preemption save (exit -15, nothing saved). Now:
+    one agreed save of the same step on both ranks, each exits 143, and a new job resumes."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    job = _torchrun(root, out, step_seconds=0.5)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            steps = [_read(out / f"step{rank}") for rank in range(2)]
+            if all(s is not None and int(s) >= 2 for s in steps):
+                break
+            assert job.poll() is None, job.communicate()[0][-3000:]
+            time.sleep(0.05)
+        else:
+            pytest.fail("the workers did not reach step 2")
+        workers = [int(_read(out / f"pid{rank}") or 0) for rank in range(2)]
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)  # the scheduler's notice, to each process
+        time.sleep(0.15)  # handled; the workers sleep in their step
+        os.kill(job.pid, signal.SIGTERM)  # and to torchrun, which forwards it to the workers
+        log = job.communicate(timeout=120)[0]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(timeout=30)
+    assert "closing signal SIGTERM" in log, log[-3000:]  # torchrun forwarded it
+    assert [_read(out / f"exit{rank}") for rank in range(2)] == ["143", "143"], log[-3000:]
+    with CheckpointManager(root, options=CheckpointManagerOptions(read_only=True)) as reader:
+        saved = reader.all_steps()
+    assert len(saved) == 2, saved  # step 0 (the interval) and the preemption step
+    assert saved[0] == 0, saved
+    preempted = saved[-1]
+    assert preempted >= 2
+
+    second = _torchrun(root, tmp_path / "out2", step_seconds=0.0)
+    try:
+        deadline = time.monotonic() + 120
+        while (
+            _read(tmp_path / "out2" / "step0") is None or _read(tmp_path / "out2" / "step1") is None
+        ):
+            assert time.monotonic() < deadline
+            assert second.poll() is None
+            time.sleep(0.05)
+    finally:
+        os.killpg(second.pid, signal.SIGKILL)
+        second.wait(timeout=30)
+    assert [_read(tmp_path / "out2" / f"resumed{rank}") for rank in range(2)] == [
+        str(preempted),
+        str(preempted),
+    ]

@@ -110,15 +110,38 @@ def test_signal_sets_the_flag_logs_and_chains(
     assert signal.getsignal(SIG) is original
 
 
-def test_second_signal_restores_the_previous_handler_and_redelivers(original: _Original) -> None:
+def test_a_repeated_signal_is_the_same_preemption(original: _Original) -> None:
+    """Issue 35, 6: under torchrun a worker gets the scheduler's SIGTERM and the agent's
+    forwarded copy; the second must not fall back to the default (which kills the process
+    before its preemption save). The previous handler still sees every signal."""
     watcher = PreemptionWatcher([SIG])
     try:
-        _raise()
-        _raise()
-        assert original.calls == [SIG, SIG]
-        assert signal.getsignal(SIG) is original
+        for _ in range(3):
+            _raise()
+        assert watcher.requested
+        assert original.calls == [SIG, SIG, SIG]
+        assert signal.getsignal(SIG) == watcher._handle  # still ours: nothing fell through
     finally:
         watcher.close()
+    assert signal.getsignal(SIG) is original
+
+
+def test_a_second_sigint_restores_the_previous_handler_and_redelivers() -> None:
+    """Ctrl-C twice at a terminal stops at once: the previous SIGINT handler gets it."""
+    recorder = _Original()
+    before = signal.signal(signal.SIGINT, recorder)
+    try:
+        watcher = PreemptionWatcher([signal.SIGINT])
+        try:
+            _raise(signal.SIGINT)
+            assert recorder.calls == [signal.SIGINT]  # chained, as for any first signal
+            _raise(signal.SIGINT)
+            assert recorder.calls == [signal.SIGINT, signal.SIGINT]
+            assert signal.getsignal(signal.SIGINT) is recorder
+        finally:
+            watcher.close()
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.mark.parametrize("closer", ["main", "thread", "mixed"])
@@ -318,10 +341,14 @@ def test_open_watcher_above_a_closed_one_still_absorbs_the_first_signal() -> Non
         "a.close()\n"
         "signal.raise_signal(signal.SIGUSR1)\n"
         "print('first', a.requested, b.requested, flush=True)\n"
-        "signal.raise_signal(signal.SIGUSR1)\n"  # the second one stops the job
+        "signal.raise_signal(signal.SIGUSR1)\n"  # a repeat: the same preemption (issue 35, 6)
         "print('survived the second', flush=True)\n"
+        "b.close()\n"
+        "signal.raise_signal(signal.SIGUSR1)\n"  # both closed: the default action again
+        "print('survived the third', flush=True)\n"
     )
-    assert result.stdout.strip() == "first False True", result.stderr
+    expected = ["first", "False", "True", "survived", "the", "second"]
+    assert result.stdout.split() == expected, result.stderr
     assert result.returncode == -signal.SIGUSR1, result.stdout + result.stderr
 
 

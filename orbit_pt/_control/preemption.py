@@ -4,8 +4,10 @@ Saving inside a signal handler is how jobs hang (a collective or a lock taken at
 point of the training loop); so the handler only records that the job was asked to stop, and the
 training loop asks ``reached_preemption(step)`` at a safe point, where every rank agrees.
 
-A second signal of the same kind restores the previous disposition and delivers the signal
-again, so a job whose loop never checks the flag can still be stopped.
+A repeated signal is the same preemption: under torchrun (SLURM, Kubernetes) a worker gets
+the scheduler's SIGTERM directly and again through the agent that forwards it, and neither
+may cost the save. Only a second SIGINT (Ctrl-C twice, at a terminal) stops at once; a job
+that never checks the flag is stopped by the scheduler's SIGKILL at the end of its grace period.
 
 Handlers form a chain (each one remembers what was installed before it), and managers are not
 always closed in the reverse order they were opened, nor on the main thread -- the only thread
@@ -82,16 +84,26 @@ class PreemptionWatcher:
             _forward(signum, frame, previous, ours=self._handle)
             return
         if self._event.is_set():
-            # Second signal: the loop is not reacting; fall back to what was there before.
-            signal.signal(signum, previous)
-            os.kill(os.getpid(), signum)
-            return
-        self._event.set()
-        logger.warning(
-            "received %s: the job will save at the next step where reached_preemption() is "
-            "checked; send it again to stop at once",
-            signal.Signals(signum).name,
-        )
+            if signum == signal.SIGINT:
+                # Ctrl-C twice: a person at a terminal wants it to stop now.
+                signal.signal(signum, previous)
+                os.kill(os.getpid(), signum)
+                return
+            logger.info(
+                "received %s again: the preemption save is already requested (a repeated "
+                "signal is the same preemption; SIGKILL stops at once)",
+                signal.Signals(signum).name,
+            )
+        else:
+            self._event.set()
+            logger.warning(
+                "received %s: the job will save at the next step where reached_preemption() "
+                "is checked; %s",
+                signal.Signals(signum).name,
+                "press Ctrl-C again to stop at once"
+                if signum == signal.SIGINT
+                else "a repeated signal is the same preemption",
+            )
         if callable(previous):
             previous(signum, frame)
 
