@@ -549,3 +549,59 @@ def test_sigterm_to_the_workers_and_to_torchrun_is_one_preemption(tmp_path: Path
         str(preempted),
         str(preempted),
     ]
+
+
+# ------------------------------------------------- item 10: a reader reads each metadata once
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_read_only_manager_reads_a_steps_metadata_once(
+    where: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 10: every question a reader asks rescans the root (another process writes it), but
+    a step whose metadata is unchanged (same inode, size and mtime; on S3 the same size and
+    ETag) is not read or parsed again: with large metadata each re-read cost seconds. A step
+    committed since is read once; a step retired since is gone."""
+    from orbit_pt.metadata import StepMetadata
+
+    if where == "s3":
+        s3_root = request.getfixturevalue("s3_root")
+        url: str | Path = s3_root.url
+        opts: dict[str, Any] | None = {
+            **s3_root.storage_options,
+            "cache_dir": str(tmp_path / "c"),
+        }
+    else:
+        url, opts = tmp_path / "root", None
+    writer_options = CheckpointManagerOptions(keep_last_n=2, preemption_signals=())
+    with CheckpointManager(url, options=writer_options, storage_options=opts) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((4,), float(step))})
+    parsed: list[int] = []
+    real_from_json = StepMetadata.from_json.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: type[StepMetadata], data: bytes, **kwargs: Any) -> StepMetadata:
+        meta: StepMetadata = real_from_json(cls, data, **kwargs)
+        parsed.append(meta.step)
+        return meta
+
+    monkeypatch.setattr(StepMetadata, "from_json", classmethod(counting))
+    reader_opts = None if opts is None else {**opts, "cache_dir": str(tmp_path / "r")}
+    with CheckpointManager(
+        url, options=CheckpointManagerOptions(read_only=True), storage_options=reader_opts
+    ) as reader:
+        assert sorted(parsed) == [1, 2]
+        for _ in range(5):
+            assert reader.all_steps() == [1, 2]
+            assert reader.latest_step() == 2
+            assert reader.metadata(2).step == 2
+        out = {"w": torch.zeros(4)}
+        reader.restore(2, out)
+        assert torch.equal(out["w"], torch.full((4,), 2.0))
+        assert sorted(parsed) == [1, 2]  # fifteen questions and a restore: nothing re-read
+        with CheckpointManager(url, options=writer_options, storage_options=opts) as mgr:
+            mgr.save(3, {"w": torch.full((4,), 3.0)})  # and step 1 retired
+        parsed.clear()
+        assert reader.all_steps() == [2, 3]
+        assert reader.all_steps() == [2, 3]
+        assert parsed == [3]  # the new step only, once
