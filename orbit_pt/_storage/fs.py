@@ -116,14 +116,14 @@ def _raise(error: OSError) -> None:
 def remove_tree(path: Path) -> None:
     """Remove a folder and everything in it; a missing folder is not an error.
 
-    A symbolic link (or a file) in its place is removed itself, never followed: a leftover
+    A symbolic link in its place is removed itself, never followed: a leftover
     ``.orbit-tmp`` link in a shared root must not cost the folder it points to.
     """
     with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISDIR(os.lstat(path).st_mode):
-            shutil.rmtree(path)
-        else:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
             path.unlink()
+        else:
+            shutil.rmtree(path)  # a file in the way is an error for the caller to report
 
 
 def has_size(path: Path, size: int) -> bool:
