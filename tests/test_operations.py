@@ -580,7 +580,7 @@ def test_a_read_only_manager_reads_a_steps_metadata_once(
     parsed: list[int] = []
     real_from_json = StepMetadata.from_json.__func__  # type: ignore[attr-defined]
 
-    def counting(cls: type[StepMetadata], data: bytes, **kwargs: Any) -> StepMetadata:
+    def counting(cls: type[StepMetadata], /, data: bytes, **kwargs: Any) -> StepMetadata:
         meta: StepMetadata = real_from_json(cls, data, **kwargs)
         parsed.append(meta.step)
         return meta
